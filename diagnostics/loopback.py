@@ -1,0 +1,210 @@
+"""NIC loopback: bandwidth and latency through each interface.
+
+On RDMA hosts with perftest installed this runs `ib_write_bw` against itself on the interface's
+device. Otherwise it is TCP to the interface's own address; Linux routes that inside the kernel,
+so it measures the host's network stack (and any qdisc on the path), not the NIC's wire.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from megascale.config import ConfigError
+
+from .config import DiagnosticsConfig, NodeSpec
+from .faults import Faults, RateLimitedProxy
+from .report import FAIL, CheckResult
+
+_CHUNK = 1 << 20
+_PING = 64
+
+
+def interfaces(names: Optional[tuple[str, ...]]) -> list[tuple[str, str]]:
+    """(name, IPv4 address) of the requested interfaces, or of every up interface with IPv4."""
+    addrs = psutil.net_if_addrs()
+    stats = psutil.net_if_stats()
+    found = {}
+    for name, entries in addrs.items():
+        ipv4 = [a.address for a in entries if a.family == socket.AF_INET]
+        if ipv4 and (names is not None or (name in stats and stats[name].isup)):
+            found[name] = ipv4[0]
+    if names is None:
+        return sorted(found.items())
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ConfigError(f"interfaces: {','.join(missing)} not found or without IPv4 (have {','.join(sorted(found))})")
+    return [(n, found[n]) for n in names]
+
+
+class _Sink:
+    """Server side: 'B' connections are counted to EOF and the count is sent back; 'P' ones echo pings."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind((address, 0))
+        self.sock.listen(4)
+        self.sock.settimeout(timeout_s)
+        self.address = self.sock.getsockname()
+        self.timeout_s = timeout_s
+        threading.Thread(target=self._serve, daemon=True, name="diag-loopback").start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _serve(self) -> None:
+        buf = bytearray(_CHUNK)
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(self.timeout_s)
+                try:
+                    mode = conn.recv(1)
+                    if mode == b"B":
+                        total = 0
+                        while n := conn.recv_into(buf):
+                            total += n
+                        conn.sendall(struct.pack("!Q", total))
+                    elif mode == b"P":
+                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        while msg := _recv_exact(conn, _PING):
+                            conn.sendall(msg)
+                except OSError:
+                    continue
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            return b""
+        data += part
+    return data
+
+
+def tcp_loopback(connect: tuple[str, int], window_s: float, max_bytes: int, timeout_s: float) -> tuple[float, float]:
+    """(bandwidth GB/s, one-way latency us) from 64-byte ping-pongs and a bulk send to a `_Sink`
+    (or to a proxy in front of one) at `connect`."""
+    with socket.create_connection(connect, timeout=timeout_s) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"P")
+        msg, rtts, end = b"x" * _PING, [], time.perf_counter() + window_s * 0.25
+        while len(rtts) < 5 or (len(rtts) < 1000 and time.perf_counter() < end):
+            t0 = time.perf_counter()
+            s.sendall(msg)
+            if len(_recv_exact(s, _PING)) != _PING:
+                raise ConnectionError("ping echo closed early")
+            rtts.append(time.perf_counter() - t0)
+    _bulk(connect, window_s * 0.1, max_bytes, timeout_s)  # warm-up: the first transfer runs slow
+    return _bulk(connect, window_s * 0.65, max_bytes, timeout_s), statistics.median(rtts) / 2 * 1e6
+
+
+def _bulk(connect: tuple[str, int], window_s: float, max_bytes: int, timeout_s: float) -> float:
+    """GB/s of one connection that sends for `window_s` (or `max_bytes`) and waits for the count."""
+    payload = memoryview(bytes(_CHUNK))
+    with socket.create_connection(connect, timeout=timeout_s) as s:
+        s.sendall(b"B")
+        sent, t0 = 0, time.perf_counter()
+        end = t0 + window_s
+        while sent < max_bytes and (sent == 0 or time.perf_counter() < end):
+            s.sendall(payload)
+            sent += _CHUNK
+        s.shutdown(socket.SHUT_WR)
+        got = struct.unpack("!Q", _recv_exact(s, 8))[0]
+        took = time.perf_counter() - t0
+    if got != sent:
+        raise ConnectionError(f"sent {sent} bytes, receiver counted {got}")
+    return got / took / 1e9
+
+
+def rdma_device(interface: str) -> Optional[str]:
+    """The RDMA device behind a netdev (e.g. mlx5_0 for ib0), if any."""
+    root = Path("/sys/class/infiniband")
+    if not root.is_dir():
+        return None
+    for dev in root.iterdir():
+        if (dev / "device" / "net" / interface).exists():
+            return dev.name
+    return None
+
+
+def parse_ib_write_bw(text: str) -> float:
+    """GB/s from perftest's result table (`BW average[MB/sec]` or `[Gb/sec]` with --report_gbits)."""
+    header = re.search(r"BW average\[(MB|Gb)/sec\]", text)
+    if not header:
+        raise ValueError("no 'BW average' column in ib_write_bw output")
+    for line in text[header.end():].splitlines():
+        cols = line.split()
+        if len(cols) >= 4 and cols[0].isdigit():
+            avg = float(cols[3])
+            return avg / 1e3 if header.group(1) == "MB" else avg / 8
+    raise ValueError("no result row in ib_write_bw output")
+
+
+def ib_write_bw_loopback(device: str, address: str, seconds: int, timeout_s: float) -> float:
+    exe = shutil.which("ib_write_bw")
+    with socket.socket() as probe:  # a free TCP port for perftest's out-of-band exchange
+        probe.bind((address, 0))
+        port = str(probe.getsockname()[1])
+    args = [exe, "-d", device, "-p", port, "-D", str(seconds), "-F"]
+    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(0.3)  # perftest has no readiness signal; the client retries nothing
+        client = subprocess.run(args + [address], capture_output=True, text=True, timeout=timeout_s)
+        if client.returncode != 0:
+            raise RuntimeError(f"ib_write_bw exited {client.returncode}: {client.stdout.strip().splitlines()[-1:]}")
+        return parse_ib_write_bw(client.stdout)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def check_loopback(node: NodeSpec, config: DiagnosticsConfig, faults: Faults, budget_s: float) -> list[CheckResult]:
+    rows = []
+    for name, address in interfaces(node.interfaces or config.interfaces):
+        t0 = time.perf_counter()
+        bw = CheckResult("loopback", "bandwidth", [node.node_id], name, None, "GB/s", budget_s=budget_s)
+        lat = CheckResult("loopback", "latency", [node.node_id], name, None, "us", budget_s=budget_s)
+        ibdev = rdma_device(name) if shutil.which("ib_write_bw") and faults.loopback_rate is None else None
+        try:
+            if ibdev:
+                bw.value, bw.detail = ib_write_bw_loopback(ibdev, address, max(1, int(budget_s / 2)), budget_s), f"ib_write_bw -d {ibdev}"
+                lat.value, lat.detail = _tcp(address, budget_s * 0.3, config, faults)[1], "tcp ping-pong"
+            else:
+                bw.value, lat.value = _tcp(address, budget_s, config, faults)
+                bw.detail = lat.detail = f"tcp {address}" + (" via rate-limited proxy (injected)" if faults.loopback_rate else "")
+            bw.value, lat.value = round(bw.value, 4), round(lat.value, 2)
+        except Exception as e:  # a dead interface or a stalled transfer fails this row only
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            for row in (bw, lat):
+                row.status, row.detail = FAIL, why
+        bw.elapsed_s = lat.elapsed_s = time.perf_counter() - t0
+        rows += [bw, lat]
+    return rows
+
+
+def _tcp(address: str, budget_s: float, config: DiagnosticsConfig, faults: Faults) -> tuple[float, float]:
+    window = budget_s * 0.6  # the rest covers buffered bytes draining after the window closes
+    sink = _Sink(address, timeout_s=budget_s)
+    proxy = RateLimitedProxy(sink.address, faults.loopback_rate) if faults.loopback_rate else None
+    try:
+        target = proxy.address if proxy else sink.address
+        return tcp_loopback(target, window, int(config.loopback_mb * 2**20), budget_s)
+    finally:
+        if proxy:
+            proxy.close()
+        sink.close()
+

@@ -1,0 +1,56 @@
+"""Core subcommands: `train` (one job's ranks on this machine) and `bench NAME`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# name -> "module:function"; the function takes the parsed args and returns a JSON-able dict.
+BENCHMARKS = {
+    "engine": "megascale.parallel.bench:run",
+    "init": "megascale.rendezvous.bench:run",
+    "data": "megascale.data.bench:run",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train a job's ranks as local processes")
+    train.add_argument("config", help="job YAML")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set parallelism.tp=2")
+    train.add_argument("--steps", type=int, help="override train.steps")
+    train.add_argument("--run-dir", help="override train.run_dir")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
+
+    bench = subparsers.add_parser("bench", help="run a benchmark and print its ratios")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    bench.set_defaults(func=_bench)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megascale.config import load_config
+    from megascale.launch import launch_local
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.run_dir:
+        overrides.append(f"train.run_dir={args.run_dir}")
+    cfg = load_config(args.config, overrides)
+    return launch_local(cfg, progress=not args.quiet)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module, _, function = BENCHMARKS[args.name].partition(":")
+    result = getattr(importlib.import_module(module), function)(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    sys.stdout.flush()
+    return 0

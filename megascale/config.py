@@ -1,0 +1,294 @@
+"""One YAML file describes a job; this module parses and validates it.
+
+Every error is a `ConfigError` whose message is one line naming the field,
+e.g. `parallelism.tp=3 does not divide model.heads=8`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the offending field."""
+
+
+@dataclass
+class ModelConfig:
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    ffn: int = 512
+    vocab: int = 512
+    seq: int = 64
+    block: Literal["serial", "parallel"] = "serial"
+    window: Optional[int] = None  # sliding-window attention span; None = full causal
+    tied_embeddings: bool = False
+    dropout: float = 0.0
+    rotary_base: float = 10000.0
+    init_std: float = 0.02
+    seed: int = 1234
+
+
+@dataclass
+class ParallelismConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    grad_bucket_mb: float = 4.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class BatchConfig:
+    micro: int = 2
+    global_: int = 8  # `global` in YAML
+
+
+@dataclass
+class ScheduleConfig:
+    kind: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["lamb", "adamw"] = "lamb"
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "text", "shards"] = "synthetic"
+    path: Optional[str] = None
+    seed: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    uri: Optional[str] = None
+    every: int = 0  # steps; 0 disables
+    keep: int = 3
+
+
+@dataclass
+class ServicesConfig:
+    redis: Optional[str] = None  # redis://host:port; None = embedded
+    kafka: Optional[str] = None  # bootstrap servers; None = embedded
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    log_every: int = 1
+    gc_every: int = 50  # steps between synchronised gc.collect() on every rank
+    run_dir: str = "runs"
+
+
+@dataclass
+class JobConfig:
+    name: str = "job"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    services: ServicesConfig = field(default_factory=ServicesConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches each DP rank runs per step (gradient accumulation / pipeline depth)."""
+        return self.batch.global_ // (self.batch.micro * self.parallelism.dp)
+
+    def to_dict(self) -> dict:
+        return _to_yaml_dict(self)
+
+
+# YAML keys that are Python keywords.
+_YAML_NAMES = {"global_": "global"}
+
+
+def _to_yaml_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_YAML_NAMES.get(f.name, f.name): _to_yaml_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return list(obj)
+    return obj
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    by_yaml_name = {_YAML_NAMES.get(f.name, f.name): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(by_yaml_name))
+    if unknown:
+        known = ", ".join(sorted(by_yaml_name))
+        raise ConfigError(f"{_join(where, str(unknown[0]))}: unknown field (known: {known})")
+    values = {}
+    for yaml_name, f in by_yaml_name.items():
+        if yaml_name in raw:
+            values[f.name] = _coerce(hints[f.name], raw[yaml_name], _join(where, yaml_name))
+    return cls(**values)
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, where)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}={value!r}: must be one of {', '.join(map(str, args))}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r}: must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r}: must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r}: must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r}: must be a string")
+        return value
+    if hint is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
+            raise ConfigError(f"{where}={value!r}: must be a list of numbers")
+        return tuple(float(v) for v in value)
+    raise TypeError(f"unsupported config type {hint} at {where}")  # a bug in this module, not user input
+
+
+def _positive(where: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{where}={value}: must be > 0")
+
+
+def validate(cfg: JobConfig) -> JobConfig:
+    """Checks every derived constraint; returns cfg so calls can chain."""
+    m, p, b, o = cfg.model, cfg.parallelism, cfg.batch, cfg.optimizer
+    for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
+        _positive(f"model.{name}", getattr(m, name))
+    for name in ("tp", "pp", "vpp", "dp"):
+        _positive(f"parallelism.{name}", getattr(p, name))
+    _positive("batch.micro", b.micro)
+    _positive("batch.global", b.global_)
+    _positive("optimizer.lr", o.lr)
+    _positive("train.steps", cfg.train.steps)
+    _positive("parallelism.grad_bucket_mb", p.grad_bucket_mb)
+    if m.hidden % m.heads:
+        raise ConfigError(f"model.heads={m.heads} does not divide model.hidden={m.hidden}")
+    if (m.hidden // m.heads) % 2:
+        raise ConfigError(f"model.hidden/model.heads={m.hidden // m.heads} must be even for rotary positions")
+    if m.heads % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide model.heads={m.heads}")
+    if m.ffn % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide model.ffn={m.ffn}")
+    if m.vocab % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide model.vocab={m.vocab}")
+    if m.layers % (p.pp * p.vpp):
+        raise ConfigError(f"model.layers={m.layers} is not divisible by parallelism.pp*vpp={p.pp * p.vpp}")
+    if p.sequence_parallel and m.seq % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide model.seq={m.seq} (needed by sequence_parallel)")
+    if m.window is not None and not 0 < m.window <= m.seq:
+        raise ConfigError(f"model.window={m.window}: must be in 1..model.seq={m.seq}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
+    if b.global_ % (b.micro * p.dp):
+        raise ConfigError(f"batch.global={b.global_} is not divisible by batch.micro*parallelism.dp={b.micro * p.dp}")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallelism.vpp={p.vpp} needs parallelism.pp > 1")
+    if p.vpp > 1 and cfg.microbatches % p.pp:
+        raise ConfigError(
+            f"batch: {cfg.microbatches} microbatches per DP rank is not divisible by parallelism.pp={p.pp} (needed by vpp > 1)"
+        )
+    if len(o.betas) != 2 or not all(0.0 <= x < 1.0 for x in o.betas):
+        raise ConfigError(f"optimizer.betas={list(o.betas)}: must be two numbers in [0, 1)")
+    if o.clip_grad < 0:
+        raise ConfigError(f"optimizer.clip_grad={o.clip_grad}: must be >= 0")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay}: must be >= 0")
+    if o.schedule.warmup_steps < 0:
+        raise ConfigError(f"optimizer.schedule.warmup_steps={o.schedule.warmup_steps}: must be >= 0")
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    if cfg.data.source != "synthetic" and not cfg.data.path:
+        raise ConfigError(f"data.path: required when data.source={cfg.data.source}")
+    if not cfg.name or not all(c.isalnum() or c in "-_." for c in cfg.name):
+        raise ConfigError(f"name={cfg.name!r}: use letters, digits, '-', '_' or '.'")
+    return cfg
+
+
+def from_dict(raw: Any) -> JobConfig:
+    return validate(_build(JobConfig, raw, ""))
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> JobConfig:
+    """Reads a job YAML; `overrides` are `a.b=value` strings (value parsed as YAML)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{at}") from None
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r}: expected key.path=value")
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part} is not a mapping")
+    node[leaf] = yaml.safe_load(value)

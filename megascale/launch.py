@@ -1,0 +1,175 @@
+"""Runs a job's ranks as local processes: `run_ranks` for any per-rank function,
+`launch_local` for training with a progress bar, logs and metrics in a run directory."""
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megascale.config import JobConfig
+from megascale.parallel.topology import Layout, ParallelContext, build_context
+
+RankFn = Callable[..., Any]
+
+
+def _device_for(backend: str, rank: int) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_backend(choice: str) -> str:
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return choice
+
+
+def _rank_main(rank: int, layout: Layout, sequence_parallel: bool, backend: str, store_path: str,
+               result_dir: str, timeout_s: float, fn: RankFn, args: tuple) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result_path = Path(result_dir) / f"rank{rank}.pt"
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+        if layout.world_size > 1:
+            store = dist.FileStore(store_path, layout.world_size)
+            device = _device_for(backend, rank)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=layout.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        else:
+            device = _device_for(backend, rank)
+        ctx = build_context(layout, rank, device, sequence_parallel)
+        torch.save({"ok": True, "value": fn(ctx, *args)}, result_path)
+    except BaseException as e:  # report every failure to the parent instead of dying silently
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, result_path)
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = False, backend: str = "auto",
+              timeout_s: float = 300.0) -> list[Any]:
+    """Runs `fn(ctx, *args)` on every rank of `layout` in its own process; returns their results by rank.
+
+    Raises RuntimeError naming the first failed rank.
+    """
+    backend = resolve_backend(backend)
+    # fork is fast and needs no importable entry point; CUDA cannot survive a fork.
+    context = mp.get_context("spawn" if backend == "nccl" else "fork")
+    with tempfile.TemporaryDirectory(prefix="megascale-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [context.Process(target=_rank_main, daemon=False,
+                                 args=(r, layout, sequence_parallel, backend, store_path, tmp, timeout_s, fn, args))
+                 for r in range(layout.world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s + 30
+        try:
+            while any(p.is_alive() for p in procs):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks did not finish within {timeout_s:.0f}s")
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # one rank failed: its peers may be blocked in a collective
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        results = []
+        for rank in range(layout.world_size):
+            path = Path(tmp) / f"rank{rank}.pt"
+            result = torch.load(path, weights_only=False) if path.exists() else None
+            if result is None:
+                continue
+            if not result["ok"]:
+                raise RuntimeError(f"rank {rank} failed: {result['error']}\n{result['trace']}")
+            results.append(result["value"])
+        if len(results) != layout.world_size:
+            codes = {r: p.exitcode for r, p in enumerate(procs)}
+            raise RuntimeError(f"ranks exited without a result (exit codes {codes})")
+        return results
+
+
+def layout_of(cfg: JobConfig) -> Layout:
+    p = cfg.parallelism
+    return Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
+
+
+def _train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str, progress_queue: Optional[Any]) -> list[dict]:
+    from megascale.train import Trainer
+
+    trainer = Trainer(cfg, ctx)
+    reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
+    history = []
+    metrics = open(Path(run_dir) / "metrics.jsonl", "a") if reporter else None
+    try:
+        for _ in range(cfg.train.steps):
+            stats = asdict(trainer.step())
+            history.append(stats)
+            if reporter:
+                metrics.write(json.dumps(stats) + "\n")
+                metrics.flush()
+                if progress_queue is not None:
+                    progress_queue.put(stats)
+    finally:
+        trainer.close()
+        if metrics:
+            metrics.close()
+    return history
+
+
+def new_run_dir(cfg: JobConfig) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.train.run_dir) / f"{cfg.name}-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
+
+
+def launch_local(cfg: JobConfig, progress: bool = True) -> int:
+    """Trains `cfg` on this machine, one process per rank; returns a process exit code."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    run_dir = new_run_dir(cfg)
+    queue = mp.get_context("fork").SimpleQueue() if progress else None
+    layout = layout_of(cfg)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    with Progress(*columns, disable=not progress) as bar:
+        task = bar.add_task(cfg.name, total=cfg.train.steps, status="starting")
+        import threading
+
+        def follow() -> None:
+            while True:
+                stats = queue.get()
+                if stats is None:
+                    return
+                bar.update(task, completed=stats["step"],
+                           status=f"loss {stats['loss']:.4f}  {stats['tokens_per_s']:,.0f} tok/s")
+
+        follower = threading.Thread(target=follow, daemon=True) if queue else None
+        if follower:
+            follower.start()
+        try:
+            run_ranks(_train_rank, layout, cfg, str(run_dir), queue,
+                      sequence_parallel=cfg.parallelism.sequence_parallel, backend=cfg.parallelism.backend)
+        finally:
+            if queue:
+                queue.put(None)
+                follower.join(timeout=5)
+    print(f"run directory: {run_dir}")
+    return 0

@@ -1,0 +1,150 @@
+"""A GPT decoder for one device: serial or parallel (PTB) blocks, full or sliding-window
+causal attention, rotary positions, optional tied embeddings.
+
+It knows nothing of parallelism. `megascale.parallel.parallelize` shards it by
+swapping modules (TorchTitan style); the seams it relies on are only names:
+`attn.qkv`, `attn.proj`, `mlp.fc`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
+and a parallel block's `fan_out` / `merge`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megascale.config import ModelConfig
+from megascale.kernels import LayerNorm, attention, gelu
+
+
+def rotary_tables(seq: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (x[..., :d/2], x[..., d/2:]) of `[batch, heads, seq, head_dim]` by position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.hidden // cfg.heads
+        self.window = cfg.window
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        cos, sin = rotary_tables(cfg.seq, self.head_dim, cfg.rotary_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        # Heads are read off the projection's width, so a TP shard just has fewer of them.
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.view(batch, seq, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        y = attention(q, k, v, self.window).transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resid_drop(self.proj(gelu(self.fc(x))))
+
+
+class SerialBlock(nn.Module):
+    """x + Attn(LN(x)), then + MLP(LN(·))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1, self.attn = LayerNorm(cfg.hidden), Attention(cfg)
+        self.ln_2, self.mlp = LayerNorm(cfg.hidden), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class ParallelBlock(nn.Module):
+    """PTB: y = x + Attn(LN(x)) + MLP(LN(x)); both branches read one LayerNorm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln = LayerNorm(cfg.hidden)
+        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        # Identities on one device. Under TP both branches enter the TP region through
+        # one `fan_out` and their partial sums are combined by one `merge`: half the
+        # communication of a serial block.
+        self.fan_out, self.merge = nn.Identity(), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fan_out(self.ln(x))
+        return x + self.merge(self.attn(h) + self.mlp(h))
+
+
+class CrossEntropy(nn.Module):
+    """Mean token loss; labels of -100 are ignored."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        block = ParallelBlock if cfg.block == "parallel" else SerialBlock
+        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.drop = nn.Dropout(cfg.dropout)
+        # Keyed by global layer index, so parameter names survive pipeline splits.
+        self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.layers)})
+        self.ln_f = LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.criterion = CrossEntropy()
+        if cfg.tied_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        # GPT-2: residual projections scaled down by depth so the stream's variance stays flat.
+        resid_std = self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            else:
+                std = resid_std if name.endswith("proj.weight") else self.cfg.init_std
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        # A pipeline stage deletes the parts it does not own (sets them to None), so
+        # each part is optional: tokens or hidden states in, hidden states, logits or loss out.
+        if self.wte is not None:
+            x = self.drop(self.wte(x))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.lm_head is None:
+            return x
+        logits = self.lm_head(self.ln_f(x))
+        return logits if labels is None else self.criterion(logits, labels)
+
+    def num_flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward = 3x forward), attention included."""
+        c = self.cfg
+        dense = 2 * (4 * c.hidden * c.hidden + 2 * c.hidden * c.ffn) * c.layers + 2 * c.hidden * c.vocab
+        span = min(c.window or c.seq, c.seq)
+        attn = 2 * 2 * c.layers * c.hidden * span  # QK^T and AV, ~span keys per query
+        return 3 * (dense + attn)

@@ -1,0 +1,131 @@
+"""Differentiable tensor-parallel collectives (the conjugate pairs of Megatron-LM).
+
+| function          | forward                 | backward                |
+|-------------------|-------------------------|-------------------------|
+| copy_to_tp        | identity                | all-reduce              |
+| reduce_from_tp    | all-reduce              | identity                |
+| gather_seq        | all-gather on seq dim   | reduce-scatter on seq   |
+| reduce_scatter_seq| reduce-scatter on seq   | all-gather on seq       |
+
+Activations are `[batch, seq, hidden]`; the sequence dimension is 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megascale.parallel.topology import Group
+
+SEQ_DIM = 1
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size > 1:
+        dist.all_reduce(x, group=group.pg)
+    return x
+
+
+def all_gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    # Gather along dim 0 (contiguous chunks), then put the sequence dimension back.
+    local = x.transpose(0, SEQ_DIM).contiguous()
+    out = local.new_empty((group.size * local.shape[0],) + tuple(local.shape[1:]))
+    dist.all_gather_single(out, local, group=group.pg)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def reduce_scatter_seq_(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    full = x.transpose(0, SEQ_DIM).contiguous()
+    out = full.new_empty((full.shape[0] // group.size,) + tuple(full.shape[1:]))
+    dist.reduce_scatter_single(out, full, group=group.pg)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group.size == 1:
+        return x
+    return x.chunk(group.size, dim=SEQ_DIM)[group.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq_(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq_(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceScatterSeq.apply(x, group)
+
+
+class EnterTP(torch.nn.Module):
+    """Where a replicated (or sequence-sharded) activation enters a column-parallel region."""
+
+    def __init__(self, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+
+
+class ExitTP(torch.nn.Module):
+    """Where partial sums of a row-parallel region are combined across the TP group."""
+
+    def __init__(self, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_seq(x, self.group) if self.sequence_parallel else reduce_from_tp(x, self.group)

