@@ -15,7 +15,19 @@ BENCHMARKS = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    train = subparsers.add_parser("train", help="train a job's ranks as local processes")
+    for name, help_text in (("run", "run a job on this machine on embedded defaults"),
+                            ("train", "train a job's ranks as local processes")):
+        _add_train_parser(subparsers, name, help_text)
+
+    bench = subparsers.add_parser("bench", help="run a benchmark and print its ratios")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    bench.set_defaults(func=_bench)
+
+
+def _add_train_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    train = subparsers.add_parser(name, help=help_text)
     train.add_argument("config", help="job YAML")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set parallelism.tp=2")
@@ -23,12 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--run-dir", help="override train.run_dir")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_train)
-
-    bench = subparsers.add_parser("bench", help="run a benchmark and print its ratios")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
-    bench.set_defaults(func=_bench)
 
 
 def _train(args: argparse.Namespace) -> int:

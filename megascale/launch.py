@@ -7,6 +7,7 @@ import json
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -109,7 +110,9 @@ def layout_of(cfg: JobConfig) -> Layout:
     return Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
 
 
-def _train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str, progress_queue: Optional[Any]) -> list[dict]:
+def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
+               on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """One rank's training loop; the reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
     from megascale.train import Trainer
 
     trainer = Trainer(cfg, ctx)
@@ -123,8 +126,8 @@ def _train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str, progress_que
             if reporter:
                 metrics.write(json.dumps(stats) + "\n")
                 metrics.flush()
-                if progress_queue is not None:
-                    progress_queue.put(stats)
+                if on_step is not None:
+                    on_step(stats)
     finally:
         trainer.close()
         if metrics:
@@ -151,7 +154,6 @@ def launch_local(cfg: JobConfig, progress: bool = True) -> int:
                TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task(cfg.name, total=cfg.train.steps, status="starting")
-        import threading
 
         def follow() -> None:
             while True:
@@ -165,7 +167,7 @@ def launch_local(cfg: JobConfig, progress: bool = True) -> int:
         if follower:
             follower.start()
         try:
-            run_ranks(_train_rank, layout, cfg, str(run_dir), queue,
+            run_ranks(train_rank, layout, cfg, str(run_dir), queue.put if queue else None,
                       sequence_parallel=cfg.parallelism.sequence_parallel, backend=cfg.parallelism.backend)
         finally:
             if queue:

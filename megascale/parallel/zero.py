@@ -162,12 +162,31 @@ class DistributedOptimizer:
         self.zero_grad()
         return norm
 
-    def state_dict(self) -> dict:
-        return {"step": self.step_count, "master": self.master, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq}
+    def _owned_pieces(self):
+        """(param index, start within the flat param, length, offset in this rank's shard) per owned piece."""
+        for (start, n), bucket in zip(self.shard_ranges, self.buckets):
+            for i, (off, p) in enumerate(zip(self.offsets, self.params)):
+                lo, hi = max(start, off), min(start + n, off + p.numel())
+                if lo < hi:
+                    yield i, lo - off, hi - lo, bucket.shard_start + lo - start
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step_count = int(state["step"])
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self, key).copy_(state[key])
+    def shard_state(self) -> dict:
+        """This rank's optimizer state in a layout-free form: pieces of named, flattened
+        parameters, so a checkpoint restores onto any DP size."""
+        pieces = []
+        for i, start, length, at in self._owned_pieces():
+            pieces.append({"name": self.names[i], "start": start, "length": length,
+                           **{k: getattr(self, k)[at:at + length].clone() for k in STATE_KEYS}})
+        return {"step": self.step_count, "pieces": pieces}
+
+    def load_shard_state(self, step: int, lookup) -> None:
+        """Fills this rank's shard from `lookup(name, start, length) -> {key: tensor}` (keys STATE_KEYS)."""
+        self.step_count = int(step)
+        for i, start, length, at in self._owned_pieces():
+            found = lookup(self.names[i], start, length)
+            for key in STATE_KEYS:
+                getattr(self, key)[at:at + length].copy_(found[key])
         self._all_gather_params()
+
+
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

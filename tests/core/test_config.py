@@ -1,0 +1,79 @@
+"""Job config: defaults, YAML loading, overrides and one-line errors naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from megascale.cli import main
+from megascale.config import ConfigError, from_dict, load_config
+
+
+def good(**sections):
+    base = {"model": {"layers": 4, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 128, "seq": 32},
+            "batch": {"micro": 1, "global": 8}}
+    for key, value in sections.items():
+        base.setdefault(key, {}).update(value)
+    return base
+
+
+def test_defaults_validate_and_round_trip():
+    cfg = from_dict({})
+    assert cfg.parallelism.world_size == 1
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"parallelism": {"tp": 3}}, "parallelism.tp=3 does not divide model.heads=4"),
+    ({"model": {"heads": 8, "hidden": 64, "ffn": 100}, "parallelism": {"tp": 8}}, "parallelism.tp=8 does not divide model.ffn=100"),
+    ({"parallelism": {"pp": 3}}, "model.layers=4 is not divisible by parallelism.pp*vpp=3"),
+    ({"parallelism": {"pp": 2, "vpp": 4}}, "model.layers=4 is not divisible by parallelism.pp*vpp=8"),
+    ({"parallelism": {"dp": 3}}, "batch.global=8 is not divisible by batch.micro*parallelism.dp=3"),
+    ({"parallelism": {"tp": 4, "sequence_parallel": True}, "model": {"seq": 30}}, "parallelism.tp=4 does not divide model.seq=30"),
+    ({"model": {"window": 64}}, "model.window=64: must be in 1..model.seq=32"),
+    ({"parallelism": {"vpp": 2}}, "parallelism.vpp=2 needs parallelism.pp > 1"),
+    ({"parallelism": {"pp": 2, "vpp": 2}, "batch": {"global": 6, "micro": 2}}, "3 microbatches per DP rank is not divisible by parallelism.pp=2"),
+    ({"model": {"block": "fancy"}}, "model.block='fancy': must be one of serial, parallel"),
+    ({"optimizer": {"name": "sgd"}}, "optimizer.name='sgd': must be one of lamb, adamw"),
+    ({"model": {"layers": "four"}}, "model.layers='four': must be an integer"),
+    ({"model": {"layerz": 4}}, "model.layerz: unknown field"),
+    ({"optimizer": {"lr": -1}}, "optimizer.lr=-1.0: must be > 0"),
+    ({"model": {"hidden": 60, "heads": 4}}, "model.hidden/model.heads=15 must be even"),
+    ({"data": {"source": "shards"}}, "data.path: required when data.source=shards"),
+])
+def test_bad_config_names_the_field(sections, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict(good(**sections))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_world_size_is_the_product_of_tp_pp_dp():
+    cfg = from_dict(good(parallelism={"tp": 2, "pp": 2, "dp": 2}))
+    assert cfg.parallelism.world_size == 8
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: demo\nmodel: {layers: 4, hidden: 64, heads: 4, ffn: 128, vocab: 128, seq: 32}\n")
+    cfg = load_config(path, ["parallelism.tp=2", "model.window=8"])
+    assert (cfg.name, cfg.parallelism.tp, cfg.model.window) == ("demo", 2, 8)
+
+
+def test_invalid_yaml_is_one_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(path)
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text("parallelism: {tp: 3}\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ConfigError: parallelism.tp=3 does not divide model.heads=4")
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_cli_missing_config_file(capsys):
+    assert main(["train", "/nonexistent/job.yaml"]) == 2
+    assert "no such config file" in capsys.readouterr().err
