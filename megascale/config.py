@@ -36,6 +36,15 @@ class ModelConfig:
 
 
 @dataclass
+class OverlapConfig:
+    """Communication/computation overlap (MegaScale §3.2); false = the plain engine."""
+
+    tp: bool = False  # chunked all-gather+GEMM / GEMM+reduce-scatter in sequence-parallel regions
+    pp: bool = True  # async sends, receives posted one step ahead
+    dp: bool = True  # per-bucket reduce-scatter during backward, prefetched all-gathers
+
+
+@dataclass
 class ParallelismConfig:
     tp: int = 1
     pp: int = 1
@@ -44,6 +53,7 @@ class ParallelismConfig:
     sequence_parallel: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     grad_bucket_mb: float = 4.0
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
     @property
     def world_size(self) -> int:
@@ -100,6 +110,32 @@ class ServicesConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the ranks run: `nodes` executor daemons with `ranks_per_node` ranks each, plus hot spares."""
+    backend: Literal["local"] = "local"  # the Kubernetes backend plugs in behind the same interface
+    nodes: int = 1
+    ranks_per_node: Optional[int] = None  # None = world size / nodes
+    spares: int = 0
+
+
+@dataclass
+class ControlConfig:
+    """Timings of the control plane (`megascale run`): heartbeats, failure detection, restarts."""
+    heartbeat_s: float = 5.0
+    dead_after_s: float = 30.0  # a node silent this long is declared dead
+    max_restarts: int = 3  # automatic rank restarts after a rank fails, before the job fails
+    start_timeout_s: float = 120.0  # for nodes to report in and ranks to start
+    command_timeout_s: float = 60.0  # for an executor to acknowledge a command
+
+
+@dataclass
+class CommConfig:
+    """Communication settings every rank gets; `env` is merged over the executor's defaults."""
+    timeout_s: float = 600.0  # collective timeout (gloo and NCCL), via init_process_group
+    env: dict[str, str] = field(default_factory=dict)  # e.g. NCCL_IB_TIMEOUT: 22
+
+
+@dataclass
 class TrainConfig:
     steps: int = 20
     log_every: int = 1
@@ -118,12 +154,19 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     @property
     def microbatches(self) -> int:
         """Microbatches each DP rank runs per step (gradient accumulation / pipeline depth)."""
         return self.batch.global_ // (self.batch.micro * self.parallelism.dp)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.cluster.ranks_per_node or self.parallelism.world_size // self.cluster.nodes
 
     def to_dict(self) -> dict:
         return _to_yaml_dict(self)
@@ -192,6 +235,11 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r}: must be a string")
         return value
+    if origin is dict:  # dict[str, str]: environment-style mappings
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float))
+                                                  for k, v in value.items()):
+            raise ConfigError(f"{where}: must be a mapping of names to strings or numbers")
+        return {k: str(v) for k, v in value.items()}
     if hint is tuple:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
             raise ConfigError(f"{where}={value!r}: must be a list of numbers")
@@ -256,9 +304,31 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     if cfg.data.source != "synthetic" and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.source={cfg.data.source}")
+    _validate_cluster(cfg)
     if not cfg.name or not all(c.isalnum() or c in "-_." for c in cfg.name):
         raise ConfigError(f"name={cfg.name!r}: use letters, digits, '-', '_' or '.'")
     return cfg
+
+
+def _validate_cluster(cfg: JobConfig) -> None:
+    c, ctl, world = cfg.cluster, cfg.control, cfg.parallelism.world_size
+    _positive("cluster.nodes", c.nodes)
+    if c.spares < 0:
+        raise ConfigError(f"cluster.spares={c.spares}: must be >= 0")
+    if c.ranks_per_node is None and world % c.nodes:
+        raise ConfigError(f"cluster.nodes={c.nodes} does not divide the world size {world} (tp*pp*dp)")
+    if c.ranks_per_node is not None and c.nodes * c.ranks_per_node != world:
+        raise ConfigError(f"cluster.nodes*ranks_per_node={c.nodes * c.ranks_per_node} must equal the world size {world} (tp*pp*dp)")
+    if cfg.ranks_per_node % cfg.parallelism.tp:
+        raise ConfigError(f"cluster: {cfg.ranks_per_node} ranks per node is not a multiple of parallelism.tp="
+                          f"{cfg.parallelism.tp} (a TP group stays inside one node)")
+    for name in ("heartbeat_s", "dead_after_s", "start_timeout_s", "command_timeout_s"):
+        _positive(f"control.{name}", getattr(ctl, name))
+    if ctl.dead_after_s < 2 * ctl.heartbeat_s:
+        raise ConfigError(f"control.dead_after_s={ctl.dead_after_s}: must be at least twice control.heartbeat_s={ctl.heartbeat_s}")
+    if ctl.max_restarts < 0:
+        raise ConfigError(f"control.max_restarts={ctl.max_restarts}: must be >= 0")
+    _positive("comm.timeout_s", cfg.comm.timeout_s)
 
 
 def from_dict(raw: Any) -> JobConfig:

@@ -54,7 +54,8 @@ def _rank_main(rank: int, layout: Layout, sequence_parallel: bool, backend: str,
         ctx = build_context(layout, rank, device, sequence_parallel)
         torch.save({"ok": True, "value": fn(ctx, *args)}, result_path)
     except BaseException as e:  # report every failure to the parent instead of dying silently
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, result_path)
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(),
+                    "at": time.time()}, result_path)
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
@@ -90,15 +91,16 @@ def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = 
                 if p.is_alive():
                     p.kill()
                 p.join()
-        results = []
+        found = {}
         for rank in range(layout.world_size):
             path = Path(tmp) / f"rank{rank}.pt"
-            result = torch.load(path, weights_only=False) if path.exists() else None
-            if result is None:
-                continue
-            if not result["ok"]:
-                raise RuntimeError(f"rank {rank} failed: {result['error']}\n{result['trace']}")
-            results.append(result["value"])
+            if path.exists():
+                found[rank] = torch.load(path, weights_only=False)
+        failed = sorted((r["at"], rank) for rank, r in found.items() if not r["ok"])
+        if failed:  # the earliest failure is the cause; its peers fail after it
+            rank = failed[0][1]
+            raise RuntimeError(f"rank {rank} failed: {found[rank]['error']}\n{found[rank]['trace']}")
+        results = [r["value"] for _, r in sorted(found.items())]
         if len(results) != layout.world_size:
             codes = {r: p.exitcode for r, p in enumerate(procs)}
             raise RuntimeError(f"ranks exited without a result (exit codes {codes})")

@@ -16,6 +16,7 @@ from megascale.parallel.parallelize import compute_dtype, parallelize
 from megascale.parallel.pipeline import run_schedule
 from megascale.parallel.topology import ParallelContext
 from megascale.synthetic import SyntheticSource
+from megascale.timers import StepTimings
 
 
 class BatchSource(Protocol):
@@ -33,6 +34,7 @@ class StepStats:
     lr: float
     step_time: float
     tokens_per_s: float
+    timings: dict  # StepTimings.to_dict() of this rank
 
 
 def learning_rate(cfg: JobConfig, step: int) -> float:
@@ -83,24 +85,29 @@ class Trainer:
         return (counts / max(total, 1.0)).tolist()
 
     def step(self) -> StepStats:
-        started = time.perf_counter()
-        cfg, ctx = self.cfg, self.ctx
-        input_ids, labels = self.source.next_batch()
+        started, wall = time.perf_counter(), time.time()
+        cfg, ctx, timer = self.cfg, self.ctx, self.ctx.timer
         microbatches = cfg.microbatches
-        inputs = [t.to(ctx.device) for t in input_ids.chunk(microbatches)]
-        targets = [t.to(ctx.device) for t in labels.chunk(microbatches)]
+        with timer.span("data"):
+            input_ids, labels = self.source.next_batch()
+            inputs = [t.to(ctx.device) for t in input_ids.chunk(microbatches)]
+            targets = [t.to(ctx.device) for t in labels.chunk(microbatches)]
+        self.optimizer.begin_step(microbatches)
         loss = run_schedule(self.chunks, ctx, inputs, targets, self._loss_weights(targets),
-                            self.activation_shape, self.dtype)
+                            self.activation_shape, self.dtype, overlap=cfg.parallelism.overlap.pp)
         lr = learning_rate(cfg, self.step_index)
-        grad_norm = self.optimizer.step(lr)
+        with timer.span("optimizer"):
+            grad_norm = self.optimizer.step(lr)
         # Every rank learns the loss: the last stage's DP partial sums, shared along the pipeline.
         loss = all_reduce(all_reduce(loss.reshape(1).float(), ctx.dp), ctx.pp).item()
         self.step_index += 1
         if cfg.train.gc_every and self.step_index % cfg.train.gc_every == 0:
             gc.collect()
         elapsed = time.perf_counter() - started
+        timings = StepTimings(self.step_index, ctx.rank, ctx.tp.rank, ctx.pp.rank, ctx.dp.rank, wall, elapsed,
+                              timer.collect())
         tokens = cfg.batch.global_ * cfg.model.seq
-        return StepStats(self.step_index, loss, grad_norm, lr, elapsed, tokens / elapsed)
+        return StepStats(self.step_index, loss, grad_norm, lr, elapsed, tokens / elapsed, timings.to_dict())
 
     def close(self) -> None:
         self.source.close()

@@ -11,6 +11,10 @@ Activations are `[batch, seq, hidden]`; the sequence dimension is 1.
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
 import torch
 import torch.distributed as dist
 
@@ -19,9 +23,34 @@ from megascale.parallel.topology import Group
 SEQ_DIM = 1
 
 
+@contextmanager
+def blocking(group: Group) -> Iterator[None]:
+    """A synchronous collective: all of its time is exposed."""
+    with group.timer.span(f"comm_{group.kind}"), group.timer.span(f"exposed_{group.kind}"):
+        yield
+
+
+class InFlight:
+    """An async collective or P2P: in flight from issue to completion; exposed while waited on."""
+
+    def __init__(self, work: Optional[dist.Work], group: Group):
+        self.work, self.group, self.issued = work, group, time.perf_counter()
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        blocked = time.perf_counter()
+        self.work.wait()
+        done = time.perf_counter()
+        self.group.timer.add(f"exposed_{self.group.kind}", done - blocked)
+        self.group.timer.add(f"comm_{self.group.kind}", done - self.issued)
+        self.work = None
+
+
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size > 1:
-        dist.all_reduce(x, group=group.pg)
+        with blocking(group):
+            dist.all_reduce(x, group=group.pg)
     return x
 
 
@@ -31,7 +60,8 @@ def all_gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     # Gather along dim 0 (contiguous chunks), then put the sequence dimension back.
     local = x.transpose(0, SEQ_DIM).contiguous()
     out = local.new_empty((group.size * local.shape[0],) + tuple(local.shape[1:]))
-    dist.all_gather_single(out, local, group=group.pg)
+    with blocking(group):
+        dist.all_gather_single(out, local, group=group.pg)
     return out.transpose(0, SEQ_DIM).contiguous()
 
 
@@ -40,14 +70,9 @@ def reduce_scatter_seq_(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     full = x.transpose(0, SEQ_DIM).contiguous()
     out = full.new_empty((full.shape[0] // group.size,) + tuple(full.shape[1:]))
-    dist.reduce_scatter_single(out, full, group=group.pg)
+    with blocking(group):
+        dist.reduce_scatter_single(out, full, group=group.pg)
     return out.transpose(0, SEQ_DIM).contiguous()
-
-
-def split_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group.size == 1:
-        return x
-    return x.chunk(group.size, dim=SEQ_DIM)[group.rank].contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -22,28 +22,31 @@ from megascale.parallel.tensor_parallel import (
 from megascale.parallel.topology import ParallelContext
 from megascale.parallel.zero import DistributedOptimizer
 
-Style = Callable[[nn.Module, ParallelContext], nn.Module]
+# A style turns a single-device module into its TP form; `overlap_chunks` > 1 pipelines
+# sequence-parallel communication with the GEMM (tp_overlap.py).
+Style = Callable[[nn.Module, ParallelContext, int], nn.Module]
+TP_OVERLAP_CHUNKS = 2
 
 
 def colwise(fused: int = 1, enter: bool = True) -> Style:
-    def apply(linear: nn.Module, ctx: ParallelContext) -> nn.Module:
+    def apply(linear: nn.Module, ctx: ParallelContext, overlap_chunks: int) -> nn.Module:
         weight = shard_out_features(linear.weight.detach(), ctx.tp, fused)
-        return ColumnParallelLinear(weight, EnterTP(ctx.tp, ctx.sequence_parallel) if enter else None)
+        return ColumnParallelLinear(weight, EnterTP(ctx.tp, ctx.sequence_parallel) if enter else None, overlap_chunks)
     return apply
 
 
 def rowwise(exit: bool = True) -> Style:
-    def apply(linear: nn.Module, ctx: ParallelContext) -> nn.Module:
+    def apply(linear: nn.Module, ctx: ParallelContext, overlap_chunks: int) -> nn.Module:
         weight = shard_in_features(linear.weight.detach(), ctx.tp)
-        return RowParallelLinear(weight, ExitTP(ctx.tp, ctx.sequence_parallel) if exit else None)
+        return RowParallelLinear(weight, ExitTP(ctx.tp, ctx.sequence_parallel) if exit else None, overlap_chunks)
     return apply
 
 
-def enter_tp(_: nn.Module, ctx: ParallelContext) -> nn.Module:
+def enter_tp(_: nn.Module, ctx: ParallelContext, overlap_chunks: int) -> nn.Module:
     return EnterTP(ctx.tp, ctx.sequence_parallel)
 
 
-def exit_tp(_: nn.Module, ctx: ParallelContext) -> nn.Module:
+def exit_tp(_: nn.Module, ctx: ParallelContext, overlap_chunks: int) -> nn.Module:
     return ExitTP(ctx.tp, ctx.sequence_parallel)
 
 
@@ -65,18 +68,19 @@ PARALLEL_BLOCK_PLAN: dict[str, Style] = {
 }
 
 
-def _replace(root: nn.Module, path: str, style: Style, ctx: ParallelContext) -> None:
+def _replace(root: nn.Module, path: str, style: Style, ctx: ParallelContext, overlap_chunks: int) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, name, style(getattr(parent, name), ctx))
+    setattr(parent, name, style(getattr(parent, name), ctx, overlap_chunks))
 
 
-def apply_tp(chunk: GPT, ctx: ParallelContext, shared: dict) -> None:
+def apply_tp(chunk: GPT, ctx: ParallelContext, shared: dict, overlap: bool = False) -> None:
     """Shards one pipeline chunk over the TP group (in place). `shared` maps tied weights across calls."""
+    overlap_chunks = TP_OVERLAP_CHUNKS if overlap else 0
     for block in chunk.blocks.values():
         plan = PARALLEL_BLOCK_PLAN if isinstance(block, ParallelBlock) else SERIAL_BLOCK_PLAN
         for path, style in plan.items():
-            _replace(block, path, style, ctx)
+            _replace(block, path, style, ctx, overlap_chunks)
     vocab_start = ctx.tp.rank * (chunk.cfg.vocab // ctx.tp.size)
     if chunk.wte is not None:
         full = chunk.wte.weight
@@ -85,7 +89,7 @@ def apply_tp(chunk: GPT, ctx: ParallelContext, shared: dict) -> None:
     if chunk.lm_head is not None:
         full = chunk.lm_head.weight
         weight = shared[id(full)] if id(full) in shared else shard_out_features(full.detach(), ctx.tp)
-        chunk.lm_head = ColumnParallelLinear(weight, EnterTP(ctx.tp, ctx.sequence_parallel))
+        chunk.lm_head = ColumnParallelLinear(weight, EnterTP(ctx.tp, ctx.sequence_parallel), overlap_chunks)
         chunk.criterion = VocabParallelCrossEntropy(ctx.tp, vocab_start)
 
 
@@ -133,7 +137,7 @@ def parallelize(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> tuple[list[
     if ctx.tp.size > 1:
         shared: dict = {}
         for chunk in chunks:
-            apply_tp(chunk, ctx, shared)
+            apply_tp(chunk, ctx, shared, overlap=cfg.parallelism.overlap.tp)
     if ctx.sequence_parallel and ctx.tp.size > 1:
         for chunk in chunks:
             mark_sequence_parallel_norms(chunk)
@@ -142,5 +146,6 @@ def parallelize(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> tuple[list[
     for chunk in chunks:
         chunk.to(device=ctx.device, dtype=dtype)
     optimizer = DistributedOptimizer(unique_named_parameters(chunks), ctx, cfg.optimizer,
-                                     bucket_mb=cfg.parallelism.grad_bucket_mb)
+                                     bucket_mb=cfg.parallelism.grad_bucket_mb, overlap=cfg.parallelism.overlap.dp)
+    optimizer.attach(chunks)
     return chunks, optimizer

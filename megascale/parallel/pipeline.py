@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megascale.parallel.comm import InFlight
 from megascale.parallel.topology import Group, ParallelContext
 
 
@@ -82,15 +83,17 @@ class _Channel:
     i-th receive without tags (as NCCL requires).
     """
 
-    def __init__(self, group: Group, peer_index: int, shape: tuple, dtype: torch.dtype, device: torch.device):
+    def __init__(self, group: Group, peer_index: int, shape: tuple, dtype: torch.dtype, device: torch.device,
+                 async_sends: bool):
         self.group, self.peer = group, group.global_rank(peer_index)
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.pending: list[tuple[torch.Tensor, dist.Work]] = []
-        self.sends: list[tuple[torch.Tensor, dist.Work]] = []
+        self.async_sends = async_sends
+        self.pending: list[tuple[torch.Tensor, InFlight]] = []
+        self.sends: list[tuple[torch.Tensor, InFlight]] = []
 
     def post_recv(self) -> None:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.pending.append((buf, dist.irecv(buf, self.peer, group=self.group.pg)))
+        self.pending.append((buf, InFlight(dist.irecv(buf, self.peer, group=self.group.pg), self.group)))
 
     def recv(self) -> torch.Tensor:
         buf, work = self.pending.pop(0)
@@ -99,7 +102,11 @@ class _Channel:
 
     def send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
-        self.sends.append((tensor, dist.isend(tensor, self.peer, group=self.group.pg)))
+        work = InFlight(dist.isend(tensor, self.peer, group=self.group.pg), self.group)
+        if self.async_sends:
+            self.sends.append((tensor, work))
+        else:
+            work.wait()
 
     def finish(self) -> None:
         for _, work in self.sends:
@@ -115,11 +122,14 @@ def run_schedule(
     loss_weights: list[float],
     activation_shape: tuple,
     dtype: torch.dtype,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """Runs forward and backward of every microbatch; returns sum_mb(weight_mb * loss_mb) on the last stage.
 
     `loss_weights[mb]` scales each microbatch's mean loss so the gradients are those of
-    the mean over every token of the global batch.
+    the mean over every token of the global batch. With `overlap` off every send
+    completes before compute continues (receives stay posted one op ahead in both modes:
+    in 1F1B a blocking send to a peer that has not posted its receive would deadlock).
     """
     layout, pp = ctx.layout, ctx.layout.pp
     vpp, rank = layout.vpp, ctx.pp_rank
@@ -130,11 +140,11 @@ def run_schedule(
     if pp == 1:
         acts_in = grads_in = acts_out = grads_out = None
     else:
-        shape = activation_shape
-        acts_in = _Channel(ctx.pp_forward, (rank - 1) % pp, shape, dtype, ctx.device)
-        acts_out = _Channel(ctx.pp_forward, (rank + 1) % pp, shape, dtype, ctx.device)
-        grads_in = _Channel(ctx.pp_backward, (rank + 1) % pp, shape, dtype, ctx.device)
-        grads_out = _Channel(ctx.pp_backward, (rank - 1) % pp, shape, dtype, ctx.device)
+        spec = (activation_shape, dtype, ctx.device, overlap)
+        acts_in = _Channel(ctx.pp_forward, (rank - 1) % pp, *spec)
+        acts_out = _Channel(ctx.pp_forward, (rank + 1) % pp, *spec)
+        grads_in = _Channel(ctx.pp_backward, (rank + 1) % pp, *spec)
+        grads_out = _Channel(ctx.pp_backward, (rank - 1) % pp, *spec)
 
     def virtual_stage(op: Op) -> int:
         return op.chunk * pp + rank
@@ -167,7 +177,8 @@ def run_schedule(
                 x = acts_in.recv().requires_grad_()
                 post_next("F")
             is_last = stage == last_virtual
-            out = chunks[op.chunk](x, labels[op.microbatch] if is_last else None)
+            with ctx.timer.span("forward"):
+                out = chunks[op.chunk](x, labels[op.microbatch] if is_last else None)
             if is_last:
                 out = out * loss_weights[op.microbatch]
                 loss_total += out.detach()
@@ -177,10 +188,11 @@ def run_schedule(
         else:
             x, out = saved.pop(key)
             if stage == last_virtual:
-                out.backward()
+                grad = None
             else:
                 grad = grads_in.recv()
                 post_next("B")
+            with ctx.timer.span("backward"):
                 torch.autograd.backward(out, grad)
             if stage != 0:
                 grads_out.send(x.grad)

@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megascale.parallel.comm import all_reduce, reduce_from_tp, reduce_scatter_seq
+from megascale.parallel.comm import EnterTP, ExitTP, all_reduce, blocking, reduce_from_tp, reduce_scatter_seq
 from megascale.parallel.topology import Group
+from megascale.parallel.tp_overlap import GatherThenLinear, LinearThenReduceScatter
 
 
 def mark_tensor_parallel(p: nn.Parameter, dim: int, fused: int = 1) -> nn.Parameter:
@@ -43,26 +44,39 @@ def unshard(shards: list[torch.Tensor], dim: int, fused: int = 1) -> torch.Tenso
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = enter(x) @ W_local^T: each rank computes a slice of the output features."""
+    """y_local = enter(x) @ W_local^T: each rank computes a slice of the output features.
 
-    def __init__(self, weight: nn.Parameter, enter: Optional[nn.Module] = None):
+    With `overlap_chunks` > 1 a sequence-parallel all-gather is pipelined with the GEMM.
+    """
+
+    def __init__(self, weight: nn.Parameter, enter: Optional[EnterTP] = None, overlap_chunks: int = 0):
         super().__init__()
-        self.weight, self.enter = weight, enter
+        self.weight, self.enter, self.overlap_chunks = weight, enter, overlap_chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.enter(x) if self.enter is not None else x, self.weight)
+        if self.enter is None:
+            return F.linear(x, self.weight)
+        if self.overlap_chunks > 1 and self.enter.sequence_parallel and self.enter.group.size > 1:
+            return GatherThenLinear.apply(x, self.weight, self.enter.group, min(self.overlap_chunks, x.shape[0]))
+        return F.linear(self.enter(x), self.weight)
 
 
 class RowParallelLinear(nn.Module):
-    """y = exit(x_local @ W_local^T): partial sums combined by all-reduce or reduce-scatter."""
+    """y = exit(x_local @ W_local^T): partial sums combined by all-reduce or reduce-scatter.
 
-    def __init__(self, weight: nn.Parameter, exit: Optional[nn.Module] = None):
+    With `overlap_chunks` > 1 a sequence-parallel reduce-scatter is pipelined with the GEMM.
+    """
+
+    def __init__(self, weight: nn.Parameter, exit: Optional[ExitTP] = None, overlap_chunks: int = 0):
         super().__init__()
-        self.weight, self.exit = weight, exit
+        self.weight, self.exit, self.overlap_chunks = weight, exit, overlap_chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        return self.exit(y) if self.exit is not None else y
+        if self.exit is None:
+            return F.linear(x, self.weight)
+        if self.overlap_chunks > 1 and self.exit.sequence_parallel and self.exit.group.size > 1:
+            return LinearThenReduceScatter.apply(x, self.weight, self.exit.group, min(self.overlap_chunks, x.shape[0]))
+        return self.exit(F.linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -90,7 +104,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         row_max = logits.max(dim=-1).values
         if group.size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
+            with blocking(group):
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
         shifted = logits - row_max.unsqueeze(-1)
 
         valid = labels != -100

@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megascale.timers import StepTimer
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -43,9 +45,11 @@ class Layout:
         return [self.rank_of(t, d, p) for p in range(self.pp)]
 
     def embedding_members(self, rank: int) -> list[int]:
-        """First and last pipeline stage of this rank's pipeline: they share tied embeddings."""
+        """First and last stage of this rank's pipeline share tied embeddings; a middle
+        stage is in no such group (it gets a group of itself)."""
         members = self.pp_members(rank)
-        return sorted({members[0], members[-1]})
+        ends = sorted({members[0], members[-1]})
+        return ends if rank in ends else [rank]
 
 
 @dataclass
@@ -55,6 +59,8 @@ class Group:
     ranks: list[int]
     rank: int  # index of this process within `ranks`
     pg: Any = None
+    kind: str = "dp"  # which communication timer its traffic counts towards: tp, pp or dp
+    timer: StepTimer = field(default_factory=lambda: StepTimer(enabled=False))
 
     @property
     def size(self) -> int:
@@ -78,7 +84,7 @@ class ParallelContext:
     pp_backward: Group  # ... and gradients on another, so pp=2 (prev == next) never mixes the two streams
     embedding: Group
     sequence_parallel: bool = False
-    extra: dict = field(default_factory=dict)
+    timer: StepTimer = field(default_factory=lambda: StepTimer(enabled=False))
 
     @property
     def tp_rank(self) -> int:
@@ -120,18 +126,24 @@ def groups_to_create(layout: Layout, rank: int) -> list[tuple[str, list[int]]]:
     ]
 
 
+# The timer each group's traffic counts towards; the tied-embedding sync crosses stages.
+_TIMER_KIND = {"tp": "tp", "dp": "dp", "pp": "pp", "pp_forward": "pp", "pp_backward": "pp", "embedding": "pp"}
+
+
 def build_context(layout: Layout, rank: int, device: Optional[torch.device] = None,
                   sequence_parallel: bool = False) -> ParallelContext:
     """Creates this rank's groups (torch.distributed must be initialised when world > 1)."""
     device = device or torch.device("cpu")
+    timer = StepTimer(device)
     groups = {}
     for name, members in groups_to_create(layout, rank):
         pg = None
         if len(members) > 1:
             # Group names must be unique per communicator even when members repeat (pp_forward/pp_backward).
             pg = dist.new_group(members, use_local_synchronization=True, group_desc=f"{name}:{members[0]}")
-        groups[name] = Group(ranks=members, rank=members.index(rank) if rank in members else -1, pg=pg)
-    return ParallelContext(layout=layout, rank=rank, device=device, sequence_parallel=sequence_parallel, **groups)
+        groups[name] = Group(ranks=members, rank=members.index(rank), pg=pg, kind=_TIMER_KIND[name], timer=timer)
+    return ParallelContext(layout=layout, rank=rank, device=device, sequence_parallel=sequence_parallel,
+                           timer=timer, **groups)
 
 
 def single_device_context(device: Optional[torch.device] = None) -> ParallelContext:

@@ -4,18 +4,26 @@ Gradients accumulate (fp32) into one flat buffer cut into buckets; each bucket i
 reduce-scattered over DP so every rank holds 1/dp of it; each rank updates fp32
 master weights and optimizer state for its slice only; the updated slices are
 all-gathered back into the flat parameter buffer the model's parameters view.
+
+With overlap on (MegaScale §3.2), a bucket's reduce-scatter starts during backward
+as soon as its last gradient has accumulated, and the next step's all-gathers are
+issued per bucket in the order forward uses them; forward waits only for the
+bucket it is about to read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from megascale.config import OptimizerConfig
 from megascale.optim.update import adamw_step, lamb_step
-from megascale.parallel.comm import all_reduce
+from megascale.parallel.comm import InFlight, all_reduce
 from megascale.parallel.topology import ParallelContext
+
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -23,32 +31,38 @@ class Bucket:
     start: int  # offset in the flat buffers
     size: int  # padded to a multiple of dp
     shard_start: int  # offset of this rank's slice in the flat master shard
+    params: list[int]  # indices into DistributedOptimizer.params
+    eager: bool  # may reduce-scatter during backward (no cross-stage sum needed first)
 
 
 class DistributedOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext,
-                 cfg: OptimizerConfig, bucket_mb: float = 4.0):
-        self.ctx, self.cfg = ctx, cfg
+                 cfg: OptimizerConfig, bucket_mb: float = 4.0, overlap: bool = True):
+        self.ctx, self.cfg, self.overlap = ctx, cfg, overlap
         self.step_count = 0
         dp = ctx.dp.size
         # Reverse order of use: backward produces the last layers' gradients first,
         # so the first bucket completes first.
         self.names = [n for n, _ in named_params][::-1]
         self.params = [p for _, p in named_params][::-1]
-        numels = [p.numel() for p in self.params]
         device, param_dtype = self.params[0].device, self.params[0].dtype
 
-        self.offsets, self.buckets = [], []
+        self.offsets, self.buckets, self.bucket_of = [], [], []
         offset = bucket_start = shard_offset = 0
+        members: list[int] = []
         bucket_limit = max(1, int(bucket_mb * 2**20 / 4))
-        for i, n in enumerate(numels):
+        for i, p in enumerate(self.params):
             self.offsets.append(offset)
-            offset += n
-            if offset - bucket_start >= bucket_limit or i == len(numels) - 1:
+            self.bucket_of.append(len(self.buckets))
+            members.append(i)
+            offset += p.numel()
+            if offset - bucket_start >= bucket_limit or i == len(self.params) - 1:
                 size = -(-(offset - bucket_start) // dp) * dp
-                self.buckets.append(Bucket(bucket_start, size, shard_offset))
+                eager = not any(getattr(self.params[j], "shared_embedding", False) for j in members)
+                self.buckets.append(Bucket(bucket_start, size, shard_offset, members, eager))
                 shard_offset += size // dp
                 offset = bucket_start = bucket_start + size
+                members = []
         total, shard_total = offset, shard_offset
 
         self.grad_buffer = torch.zeros(total, dtype=torch.float32, device=device)
@@ -59,7 +73,7 @@ class DistributedOptimizer:
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
             owner[off:off + p.numel()] = i
-            p.register_post_accumulate_grad_hook(self._accumulate_hook(self.grad_buffer[off:off + p.numel()]))
+            p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
 
         self.shard_ranges = [(b.start + ctx.dp.rank * b.size // dp, b.size // dp) for b in self.buckets]
         self.segment_ids = torch.cat([owner[s:s + n] for s, n in self.shard_ranges])
@@ -68,62 +82,113 @@ class DistributedOptimizer:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
 
-        decayed = torch.tensor([p.dim() > 1 for p in self.params] + [False], device=device)
-        self.segment_decayed = decayed[:-1]
-        self.decay = decayed[self.segment_ids].float() * cfg.weight_decay
-        tp_sharded = torch.tensor([getattr(p, "tensor_parallel", False) for p in self.params], device=device)
-        self.tp_sharded = tp_sharded
+        def per_element(flags: list[bool]) -> torch.Tensor:
+            return torch.tensor(flags + [False], device=device)[self.segment_ids]
+
+        self.segment_decayed = torch.tensor([p.dim() > 1 for p in self.params], device=device)
+        self.decay = per_element([p.dim() > 1 for p in self.params]).float() * cfg.weight_decay
+        self.tp_sharded = torch.tensor([getattr(p, "tensor_parallel", False) for p in self.params], device=device)
         # Count each parameter once in the global grad norm: TP-replicated ones on TP rank 0
         # only, and a tied embedding's second copy (last pipeline stage) not at all.
-        counted = [(getattr(p, "tensor_parallel", False) or ctx.tp.rank == 0)
-                   and not getattr(p, "duplicate_of_first_stage", False) for p in self.params]
-        self.counted = torch.tensor(counted + [False], device=device)[self.segment_ids]
+        self.counted = per_element([(getattr(p, "tensor_parallel", False) or ctx.tp.rank == 0)
+                                    and not getattr(p, "duplicate_of_first_stage", False) for p in self.params])
+        # Sequence-parallel LayerNorm grads are partial over TP; the sum commutes with the DP
+        # reduce-scatter, so it is applied to the (1/dp smaller) shard afterwards.
+        self.sequence_parallel_elements = per_element(
+            [getattr(p, "sequence_parallel", False) for p in self.params]).nonzero().flatten()
 
-    @staticmethod
-    def _accumulate_hook(grad_view: torch.Tensor):
+        self.accumulations_per_step = 1
+        self._accumulated = [0] * len(self.params)
+        self._bucket_pending = [len(b.params) for b in self.buckets]
+        self._reductions: dict[int, InFlight] = {}
+        self._gathers: dict[int, tuple[InFlight, torch.Tensor]] = {}
+
+    # ---- gradients -------------------------------------------------------------------
+
+    def _accumulate_hook(self, i: int):
+        off, numel = self.offsets[i], self.params[i].numel()
+        grad_view = self.grad_buffer[off:off + numel]
+
         def hook(p: torch.Tensor) -> None:
             grad_view.add_(p.grad.reshape(-1))
             p.grad = None
+            self._accumulated[i] += 1
+            if self._accumulated[i] == self.accumulations_per_step:
+                b = self.bucket_of[i]
+                self._bucket_pending[b] -= 1
+                if self.overlap and self._bucket_pending[b] == 0 and self.buckets[b].eager:
+                    self._reduce_scatter(b)
         return hook
 
-    def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+    def begin_step(self, microbatches: int) -> None:
+        """Each parameter's gradient will accumulate `microbatches` times before it is final."""
+        self.accumulations_per_step = microbatches
+        self._accumulated = [0] * len(self.params)
+        self._bucket_pending = [len(b.params) for b in self.buckets]
 
     def _grad_view(self, i: int) -> torch.Tensor:
         off = self.offsets[i]
         return self.grad_buffer[off:off + self.params[i].numel()]
 
-    def _reduce_model_parallel_grads(self) -> None:
-        """Gradients that need a sum over model-parallel peers before the DP reduction."""
-        for i, p in enumerate(self.params):
-            if getattr(p, "sequence_parallel", False):
-                all_reduce(self._grad_view(i), self.ctx.tp)  # LayerNorm saw only this rank's tokens
-            if getattr(p, "shared_embedding", False):
-                all_reduce(self._grad_view(i), self.ctx.embedding)  # tied input/output embedding
+    def _reduce_scatter(self, b: int) -> None:
+        bucket, (_, n) = self.buckets[b], self.shard_ranges[b]
+        out = self.grad_shard[bucket.shard_start:bucket.shard_start + n]
+        full = self.grad_buffer[bucket.start:bucket.start + bucket.size]
+        if self.ctx.dp.size == 1:
+            out.copy_(full)
+            return
+        work = dist.reduce_scatter_single(out, full, group=self.ctx.dp.pg, async_op=True)
+        self._reductions[b] = InFlight(work, self.ctx.dp)
 
-    def _reduce_scatter_grads(self) -> None:
-        works = []
-        for b, (_, n) in zip(self.buckets, self.shard_ranges):
-            out = self.grad_shard[b.shard_start:b.shard_start + n]
-            full = self.grad_buffer[b.start:b.start + b.size]
-            if self.ctx.dp.size == 1:
-                out.copy_(full)
-            else:
-                works.append(dist.reduce_scatter_single(out, full, group=self.ctx.dp.pg, async_op=True))
-        for w in works:
-            w.wait()
+    def finish_grad_sync(self) -> None:
+        """Completes every gradient reduction of this step (after the last backward)."""
+        for b, bucket in enumerate(self.buckets):
+            if b in self._reductions or (self.overlap and bucket.eager and self.ctx.dp.size > 1):
+                continue
+            for i in bucket.params:
+                if getattr(self.params[i], "shared_embedding", False):
+                    all_reduce(self._grad_view(i), self.ctx.embedding)  # tied input/output embedding
+            self._reduce_scatter(b)
+        for work in self._reductions.values():
+            work.wait()
+        self._reductions.clear()
+        if self.sequence_parallel_elements.numel():
+            partial = self.grad_shard[self.sequence_parallel_elements]
+            self.grad_shard[self.sequence_parallel_elements] = all_reduce(partial, self.ctx.tp)
+
+    # ---- parameters ------------------------------------------------------------------
 
     def _all_gather_params(self) -> None:
-        works = []
-        for b, (_, n) in zip(self.buckets, self.shard_ranges):
-            shard = self.master[b.shard_start:b.shard_start + n].to(self.param_buffer.dtype)
-            full = self.param_buffer[b.start:b.start + b.size]
+        # Forward reads the last bucket first (buckets are in reverse order of use).
+        for b in reversed(range(len(self.buckets))):
+            bucket, (_, n) = self.buckets[b], self.shard_ranges[b]
+            shard = self.master[bucket.shard_start:bucket.shard_start + n].to(self.param_buffer.dtype)
+            full = self.param_buffer[bucket.start:bucket.start + bucket.size]
             if self.ctx.dp.size == 1:
                 full.copy_(shard)
-            else:
-                works.append(dist.all_gather_single(full, shard, group=self.ctx.dp.pg, async_op=True))
-        for w in works:
-            w.wait()
+                continue
+            work = InFlight(dist.all_gather_single(full, shard, group=self.ctx.dp.pg, async_op=True), self.ctx.dp)
+            self._gathers[b] = (work, shard)  # the shard must outlive the collective
+        if not self.overlap:
+            self.wait_for_params()
+
+    def wait_for_params(self, buckets=None) -> None:
+        """Blocks until the given (default: all) buckets' parameters are up to date."""
+        for b in list(self._gathers) if buckets is None else buckets:
+            if b in self._gathers:
+                self._gathers.pop(b)[0].wait()
+
+    def attach(self, modules: list[nn.Module]) -> None:
+        """Makes forward wait, module by module, only for the buckets it is about to read."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for root in modules:
+            for module in root.modules():
+                buckets = sorted({self.bucket_of[index[id(p)]] for p in module.parameters(recurse=False)
+                                  if id(p) in index})
+                if buckets:
+                    module.register_forward_pre_hook(lambda _m, _a, bs=tuple(buckets): self.wait_for_params(bs))
+
+    # ---- the step --------------------------------------------------------------------
 
     def _sum_over_world(self, x: torch.Tensor) -> torch.Tensor:
         for group in (self.ctx.dp, self.ctx.tp, self.ctx.pp):
@@ -144,12 +209,11 @@ class DistributedOptimizer:
         return self._sum_over_world(local).sqrt().item()
 
     def step(self, lr: float) -> float:
-        """Reduces gradients, clips, updates this rank's shard, all-gathers parameters.
+        """Finishes gradient sync, clips, updates this rank's shard, re-gathers parameters.
 
         Returns the global gradient norm before clipping.
         """
-        self._reduce_model_parallel_grads()
-        self._reduce_scatter_grads()
+        self.finish_grad_sync()
         norm = self.grad_norm()
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             self.grad_shard.mul_(self.cfg.clip_grad / (norm + 1e-6))
@@ -159,14 +223,17 @@ class DistributedOptimizer:
                betas=tuple(self.cfg.betas), eps=self.cfg.eps, decay=self.decay, segment_ids=self.segment_ids,
                segment_decayed=self.segment_decayed, reduce_norms=self._reduce_parameter_norms)
         self._all_gather_params()
-        self.zero_grad()
+        self.grad_buffer.zero_()
         return norm
+
+    # ---- checkpoint state --------------------------------------------------------------
 
     def _owned_pieces(self):
         """(param index, start within the flat param, length, offset in this rank's shard) per owned piece."""
         for (start, n), bucket in zip(self.shard_ranges, self.buckets):
-            for i, (off, p) in enumerate(zip(self.offsets, self.params)):
-                lo, hi = max(start, off), min(start + n, off + p.numel())
+            for i in bucket.params:
+                off, numel = self.offsets[i], self.params[i].numel()
+                lo, hi = max(start, off), min(start + n, off + numel)
                 if lo < hi:
                     yield i, lo - off, hi - lo, bucket.shard_start + lo - start
 
@@ -187,6 +254,4 @@ class DistributedOptimizer:
             for key in STATE_KEYS:
                 getattr(self, key)[at:at + length].copy_(found[key])
         self._all_gather_params()
-
-
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+        self.wait_for_params()

@@ -126,10 +126,11 @@ def _worker(kind, addr, world, ranks, plans, barrier, results) -> None:
             for t in threads:
                 t.start()
             barrier.wait()
+            cpu = time.process_time()
             go.set()
             for t in threads:
                 t.join()
-            results.put(("done", max(ends), errors[:3]))
+            results.put(("done", max(ends), errors[:3], time.process_time() - cpu))
     except Exception:
         results.put(("error", traceback.format_exc().strip().splitlines()[-1]))
 
@@ -170,6 +171,7 @@ def _simulate(kind: str, world: int, plans: list[tuple[str, str, int | None]], n
             if errors:
                 raise RuntimeError(f"{kind} {mode} at {world} ranks failed: {errors[0]}")
             out[tag] = round(max(d[1] for d in done) - start, 3)
+            out[f"{tag}_client_cpu_s"] = round(sum(d[3] for d in done), 3)
     finally:
         barrier.abort()  # frees workers still parked at the start line after a failure
         for p in procs:

@@ -11,15 +11,21 @@ Incarnations isolate restarts: a restarted job uses a new incarnation, so it can
 keys from a previous attempt. A Redis restart (memory lost) is detected on reconnect through
 an epoch key that every connection checks, and reported instead of waiting on keys that
 will never come back.
+
+Each thread talks over its own redis-py Connection, not a pool: a pool checkout costs extra
+system calls per command, and a blocked get must not hold up another thread's set.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import secrets
+import threading
 import time
+import weakref
 from datetime import timedelta
-from typing import Callable, Iterable, TypeVar
+from typing import Iterable
 from urllib.parse import parse_qs, urlparse
 
 import redis
@@ -32,40 +38,29 @@ from redis.retry import Retry
 BLOCK_SLICE_S = 10.0
 SOCKET_TIMEOUT_S = BLOCK_SLICE_S + 10.0
 
-T = TypeVar("T")
-
-_SET = """
-redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], ARGV[1]); redis.call('SADD', KEYS[1], KEYS[2])
-"""
-_MULTI_SET = """
-for i = 2, #KEYS do
-  redis.call('DEL', KEYS[i]); redis.call('RPUSH', KEYS[i], ARGV[i - 1]); redis.call('SADD', KEYS[1], KEYS[i])
-end
-"""
-_ADD = """
+_SET_ONE = "redis.call('DEL', k); redis.call('RPUSH', k, v); redis.call('SADD', KEYS[1], k)"
+SCRIPTS = {
+    "set": f"local k, v = KEYS[2], ARGV[1]; {_SET_ONE}",
+    "multi_set": f"for i = 2, #KEYS do local k, v = KEYS[i], ARGV[i - 1]; {_SET_ONE} end",
+    "add": f"""
 local cur = redis.call('LINDEX', KEYS[2], 0)
 if cur and not tonumber(cur) then return redis.error_reply('value is not an integer') end
 local n = (tonumber(cur) or 0) + tonumber(ARGV[1])
-redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], string.format('%d', n)); redis.call('SADD', KEYS[1], KEYS[2])
-return n
-"""
-# torch semantics: a missing key is created only when expected is empty; the reply is the
-# value now stored if the swap happened, else the current value (or `expected` when missing).
-_COMPARE_SET = """
+local k, v = KEYS[2], string.format('%d', n); {_SET_ONE}
+return n""",
+    # torch semantics: a missing key is created only when expected is empty; the reply is the
+    # value now stored if the swap happened, else the current value (or `expected` if missing).
+    "compare_set": f"""
 local cur = redis.call('LINDEX', KEYS[2], 0)
 if (not cur and ARGV[1] == '') or (cur and cur == ARGV[1]) then
-  redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], ARGV[2]); redis.call('SADD', KEYS[1], KEYS[2])
+  local k, v = KEYS[2], ARGV[2]; {_SET_ONE}
   return ARGV[2]
 end
-return cur or ARGV[1]
-"""
-_APPEND = """
-local cur = redis.call('LINDEX', KEYS[2], 0) or ''
-redis.call('DEL', KEYS[2]); redis.call('RPUSH', KEYS[2], cur .. ARGV[1]); redis.call('SADD', KEYS[1], KEYS[2])
-"""
-_DELETE = """
-redis.call('SREM', KEYS[1], KEYS[2]); return redis.call('DEL', KEYS[2])
-"""
+return cur or ARGV[1]""",
+    "append": f"local k, v = KEYS[2], (redis.call('LINDEX', KEYS[2], 0) or '') .. ARGV[1]; {_SET_ONE}",
+    "delete": "redis.call('SREM', KEYS[1], KEYS[2]); return redis.call('DEL', KEYS[2])",
+}
+_SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in SCRIPTS.items()}
 
 
 class RendezvousError(dist.DistStoreError):
@@ -81,20 +76,24 @@ class RedisRestarted(redis.ConnectionError):
 
 
 def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _seconds(timeout: timedelta | float | None) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0].rstrip(".")
+
+
 class RedisStore(dist.Store):
     """`torch.distributed.Store` on Redis; pass it to `init_process_group(store=...)`.
 
     Keys live under (job, incarnation): start every restart with a new incarnation.
-    `timeout` bounds blocking get/wait and the first connection; 0 means wait forever.
+    `timeout` bounds blocking get/wait (0 = wait forever); `connect_timeout` (default: the
+    same) bounds retrying the first connection.
     """
 
     def __init__(
@@ -118,26 +117,27 @@ class RedisStore(dist.Store):
         self._index = self._ns + "__keys__"
         self._epoch_key = self._ns + "__epoch__"
         self._epoch: bytes | None = None
-        self._r = redis.Redis(
-            host=host, port=port, db=db, password=password,
-            socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5, socket_keepalive=True,
-            # Retrying silently would hide a restarted server; we surface every failure instead.
-            retry=Retry(NoBackoff(), 0), retry_on_error=[], lib_name=None, lib_version=None,
-            redis_connect_func=self._on_connect,
-        )
-        self._scripts = {name: self._r.register_script(src) for name, src in [
-            ("set", _SET), ("multi_set", _MULTI_SET), ("add", _ADD),
-            ("compare_set", _COMPARE_SET), ("append", _APPEND), ("delete", _DELETE)]}
+        self._local = threading.local()
+        self._conns: weakref.WeakSet = weakref.WeakSet()
         self._connect()
 
-    # -- connection and errors ---------------------------------------------------------------
+    # -- connections and errors --------------------------------------------------------------
 
-    def _on_connect(self, conn: redis.connection.Connection) -> None:
+    def _new_connection(self) -> redis.Connection:
+        conn = redis.Connection(
+            host=self.host, port=self.port, db=self.db, password=self._password,
+            socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5, socket_keepalive=True,
+            # Retrying silently would hide a restarted server; every failure surfaces instead.
+            retry=Retry(NoBackoff(), 0), lib_name=None, lib_version=None,
+            redis_connect_func=self._on_connect)
+        self._conns.add(conn)
+        return conn
+
+    def _on_connect(self, conn: redis.Connection) -> None:
         """Runs on every (re)connect: adopt the job's epoch once, then insist it is unchanged."""
         conn.on_connect()
-        proposal = secrets.token_hex(8)
         conn.send_packed_command(conn.pack_commands([
-            ("SETNX", self._epoch_key, proposal), ("GET", self._epoch_key)]))
+            ("SETNX", self._epoch_key, secrets.token_hex(8)), ("GET", self._epoch_key)]))
         created, epoch = conn.read_response(), conn.read_response()
         if self._epoch is None:
             self._epoch = epoch
@@ -150,31 +150,57 @@ class RedisStore(dist.Store):
         delay = 0.05
         while True:
             try:
-                self._r.ping()
+                self._pipeline("connect", [("PING",)])
                 return
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                if time.monotonic() + delay > deadline:
+            except RendezvousError as e:
+                if isinstance(e.__context__, RedisRestarted) or time.monotonic() + delay > deadline:
                     raise RendezvousError(
                         f"cannot reach Redis at {self.host}:{self.port} within {limit:.0f} s "
-                        f"({_first_line(e)}): start Redis or fix the redis:// address") from None
+                        f"({e.__context__ and _first_line(e.__context__)}): start Redis or fix the redis:// address"
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _pipeline(self, what: str, commands: list[tuple]) -> list:
+        """Send `commands` in one write, read every reply; errors come back as one-line messages."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._new_connection()
         try:
-            return fn()
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as e:
+                    replies.append(e)
+            return replies
         except RedisRestarted:
+            conn.disconnect()
             raise RendezvousError(
                 f"Redis at {self.host}:{self.port} restarted during {what} (job {self.job!r}, "
                 f"incarnation {self.incarnation}): its keys are gone; restart the job with a new incarnation"
             ) from None
-        except (redis.ConnectionError, redis.TimeoutError) as e:
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            conn.disconnect()
             raise RendezvousError(
                 f"lost Redis at {self.host}:{self.port} during {what} (job {self.job!r}, "
                 f"incarnation {self.incarnation}): {_first_line(e)}; check the server, then restart the job"
-            ) from None
-        except redis.ResponseError as e:
-            raise dist.DistStoreError(f"Redis refused {what}: {_first_line(e)}") from None
+            ) from e
+
+    def _cmd(self, what: str, *args):
+        reply = self._pipeline(what, [args])[0]
+        if isinstance(reply, redis.ResponseError):
+            raise dist.DistStoreError(f"Redis refused {what}: {_first_line(reply)}")
+        return reply
+
+    def _script(self, name: str, what: str, keys: list[str], args: list = ()):
+        reply = self._pipeline(what, [("EVALSHA", _SHA[name], len(keys), *keys, *args)])[0]
+        if isinstance(reply, redis.exceptions.NoScriptError):  # first use on this server: send the source once
+            return self._cmd(what, "EVAL", SCRIPTS[name], len(keys), *keys, *args)
+        if isinstance(reply, redis.ResponseError):
+            raise dist.DistStoreError(f"Redis refused {what}: {_first_line(reply)}")
+        return reply
 
     def _k(self, key: str) -> str:
         return self._ns + "k:" + key
@@ -188,58 +214,53 @@ class RedisStore(dist.Store):
     # -- torch.distributed.Store API ---------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(f"set {key!r}", lambda: self._scripts["set"](keys=[self._index, self._k(key)], args=[_bytes(value)]))
+        self._script("set", f"set {key!r}", [self._index, self._k(key)], [_bytes(value)])
 
     def get(self, key: str) -> bytes:
         """The value of `key`, blocking until some rank sets it (up to the store timeout)."""
         limit = _seconds(self.timeout)
-        value = self._block_on(self._k(key), limit)
+        value = self._block_on(key, limit)
         if value is None:
             raise self._timeout_error([key], limit)
         return value
 
     def add(self, key: str, value: int) -> int:
-        return int(self._call(f"add {key!r}", lambda: self._scripts["add"](
-            keys=[self._index, self._k(key)], args=[int(value)])))
+        return int(self._script("add", f"add {key!r}", [self._index, self._k(key)], [int(value)]))
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        return self._call(f"compare_set {key!r}", lambda: self._scripts["compare_set"](
-            keys=[self._index, self._k(key)], args=[_bytes(expected_value), _bytes(desired_value)]))
+        return self._script("compare_set", f"compare_set {key!r}", [self._index, self._k(key)],
+                            [_bytes(expected_value), _bytes(desired_value)])
 
     def append(self, key: str, value: str | bytes) -> None:
-        self._call(f"append {key!r}", lambda: self._scripts["append"](
-            keys=[self._index, self._k(key)], args=[_bytes(value)]))
+        self._script("append", f"append {key!r}", [self._index, self._k(key)], [_bytes(value)])
 
     def check(self, keys: list[str]) -> bool:
         unique = list(dict.fromkeys(self._k(k) for k in keys))
-        return not unique or self._call("check", lambda: self._r.exists(*unique)) == len(unique)
+        return not unique or self._cmd("check", "EXISTS", *unique) == len(unique)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists: one pipelined existence check, then server-side waits."""
         limit = _seconds(self.timeout if timeout is None else timeout)
         deadline = time.monotonic() + limit if limit else None
-        missing = self._missing(keys)
+        # One key: block on it straight away (it returns at once if the key exists).
+        missing = list(keys) if len(keys) == 1 else self._missing(keys)
         for i, key in enumerate(missing):
             left = 0.0 if deadline is None else deadline - time.monotonic()  # 0: forever
-            if deadline is not None and left <= 0 or self._block_on(self._k(key), left) is None:
+            if deadline is not None and left <= 0 or self._block_on(key, left) is None:
                 raise self._timeout_error(missing[i:], limit)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.wait(keys)
-        pipe = self._r.pipeline(transaction=False)
-        for key in keys:
-            pipe.lindex(self._k(key), 0)
-        return self._call("multi_get", pipe.execute)
+        return self._pipeline("multi_get", [("LINDEX", self._k(k), 0) for k in keys])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._call("multi_set", lambda: self._scripts["multi_set"](
-            keys=[self._index] + [self._k(k) for k in keys], args=[_bytes(v) for v in values]))
+        self._script("multi_set", "multi_set", [self._index] + [self._k(k) for k in keys], [_bytes(v) for v in values])
 
     def delete_key(self, key: str) -> bool:
-        return bool(self._call(f"delete_key {key!r}", lambda: self._scripts["delete"](keys=[self._index, self._k(key)])))
+        return bool(self._script("delete", f"delete_key {key!r}", [self._index, self._k(key)]))
 
     def num_keys(self) -> int:
-        return int(self._call("num_keys", lambda: self._r.scard(self._index)))
+        return int(self._cmd("num_keys", "SCARD", self._index))
 
     def has_extended_api(self) -> bool:
         return True
@@ -259,43 +280,33 @@ class RedisStore(dist.Store):
     # -- helpers -----------------------------------------------------------------------------
 
     def _missing(self, keys: list[str]) -> list[str]:
-        if not keys:
-            return []
-        pipe = self._r.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self._k(key))
-        found = self._call("wait", pipe.execute)
+        found = self._pipeline("wait", [("EXISTS", self._k(k)) for k in keys])
         return [k for k, n in zip(keys, found) if not n]
 
-    def _block_on(self, rkey: str, seconds: float) -> bytes | None:
-        """Server-side wait for `rkey`: its value, or None after `seconds` (0 = forever)."""
+    def _block_on(self, key: str, seconds: float) -> bytes | None:
+        """Server-side wait for `key`: its value, or None after `seconds` (0 = forever)."""
+        rkey = self._k(key)
         deadline = time.monotonic() + seconds if seconds else None
         while True:
             left = BLOCK_SLICE_S if deadline is None else min(BLOCK_SLICE_S, deadline - time.monotonic())
             if left <= 0:
                 return None
             # Redis reads a 0 timeout as "forever"; never send one by accident.
-            value = self._call(f"wait for {rkey[len(self._ns) + 2:]!r}", lambda: self._r.execute_command(
-                "BRPOPLPUSH", rkey, rkey, max(round(left, 3), 0.001)))
+            value = self._cmd(f"wait for {key!r}", "BRPOPLPUSH", rkey, rkey, max(round(left, 3), 0.001))
             if value is not None:
                 return value
 
     def purge(self) -> int:
-        """Delete every key of this job incarnation (after the job ends); returns how many."""
-        def _purge() -> int:
-            keys = list(self._r.smembers(self._index))
-            for i in range(0, len(keys), 1000):
-                self._r.delete(*keys[i:i + 1000])
-            return len(keys) + self._r.delete(self._index, self._epoch_key)
-        return self._call("purge", _purge)
+        """Delete every key of this job incarnation (once the job is over); returns how many."""
+        keys = self._cmd("purge", "SMEMBERS", self._index)
+        for batch in [list(keys)[i:i + 1000] for i in range(0, len(keys), 1000)]:
+            self._cmd("purge", "DEL", *batch)
+        return len(keys) + self._cmd("purge", "DEL", self._index, self._epoch_key)
 
     def close(self) -> None:
-        self._r.close()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
+        """Close every connection this store opened (from any thread)."""
+        for conn in list(self._conns):
+            conn.disconnect()
 
 
 # -- init_method="redis://host:port/<job>" -----------------------------------------------------

@@ -19,7 +19,9 @@ STEPS = 3
 
 
 def job(parallelism: dict, block: str = "serial", window=None, optimizer: str = "lamb", tied: bool = False,
-        global_batch: int = 8, micro: int = 1, layers: int = 4):
+        global_batch: int = 8, micro: int = 1, layers: int = 4, overlap: bool | None = None):
+    if overlap is not None:  # every overlap switch on, or every one off
+        parallelism = {**parallelism, "overlap": {"tp": overlap, "pp": overlap, "dp": overlap}}
     return from_dict({
         "model": {"layers": layers, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 128, "seq": 32, "block": block,
                   "window": window, "tied_embeddings": tied},
@@ -33,6 +35,7 @@ def job(parallelism: dict, block: str = "serial", window=None, optimizer: str = 
 def _train(ctx, cfg):
     trainer = Trainer(cfg, ctx)
     stats = [trainer.step() for _ in range(STEPS)]
+    trainer.optimizer.wait_for_params()
     params = full_stage_parameters(trainer.chunks, ctx)
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "params": params}
 
@@ -70,6 +73,8 @@ CASES = {
     "pp4_vpp1_tied": ({"pp": 4}, {"tied": True, "global_batch": 8}),
     "dp2_window_adamw": ({"dp": 2}, {"window": 8, "optimizer": "adamw"}),
     "dp4_ptb": ({"dp": 4}, {"block": "parallel"}),
+    "tp2_sp_pp2_overlap_on": ({"tp": 2, "pp": 2, "sequence_parallel": True}, {"micro": 2, "overlap": True}),
+    "tp2_sp_dp2_overlap_off": ({"tp": 2, "dp": 2, "sequence_parallel": True}, {"micro": 2, "overlap": False}),
 }
 
 
@@ -86,5 +91,11 @@ def test_parity_pp4_vpp2():
 
 @pytest.mark.slow
 def test_parity_eight_ranks_tp2_pp2_dp2_vpp2_sp():
-    assert_parity(job({"tp": 2, "pp": 2, "dp": 2, "vpp": 2, "sequence_parallel": True},
-                      block="parallel", window=16, global_batch=8))
+    for overlap in (True, False):
+        assert_parity(job({"tp": 2, "pp": 2, "dp": 2, "vpp": 2, "sequence_parallel": True},
+                          block="parallel", window=16, global_batch=8, overlap=overlap))
+
+
+@pytest.mark.slow
+def test_parity_eight_ranks_serial_blocks_all_overlap_on():
+    assert_parity(job({"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True}, global_batch=8, micro=2, overlap=True))
