@@ -9,6 +9,7 @@ import sys
 # name -> "module:function"; the function takes the parsed args and returns a JSON-able dict.
 BENCHMARKS = {
     "engine": "megascale.parallel.bench:run",
+    "overlap": "megascale.parallel.bench_overlap:run",
     "init": "megascale.rendezvous.bench:run",
     "data": "megascale.data.bench:run",
 }

@@ -111,4 +111,5 @@ class Trainer:
 
     def close(self) -> None:
         self.source.close()
+        gc.unfreeze()
         gc.enable()

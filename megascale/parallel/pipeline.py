@@ -63,6 +63,8 @@ def _virtual_step(k: int, pp: int, vpp: int, backward: bool) -> tuple[int, int]:
 
 def schedule(pp: int, vpp: int, microbatches: int, pp_rank: int) -> list[Op]:
     """The interleaved-1F1B op order of one pipeline rank."""
+    if vpp > 1 and microbatches % pp:
+        raise ValueError(f"interleaved 1F1B needs microbatches ({microbatches}) divisible by pp ({pp})")
     total = microbatches * vpp
     if vpp == 1:
         warmup = min(pp - pp_rank - 1, total)
