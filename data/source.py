@@ -6,22 +6,28 @@ next slot. TP ranks of one DP rank copy the same rows; middle pipeline stages co
 """
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import socket
 import subprocess
 import sys
 import time
-import mmap
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-
 from megascale.data import DataError
 from megascale.data.dataset import Dataset
-from megascale.data.node import STATS, LoaderConfig, check_platform, coords, node_plan, socket_name
+from megascale.data.node import (
+    STATS,
+    LoaderConfig,
+    check_platform,
+    coords,
+    node_plan,
+    socket_name,
+)
 from megascale.data.stream import Stream
 
 CONNECT_TIMEOUT_S = 300.0  # followers wait this long for the leader's loader (it may be preparing text)
@@ -50,6 +56,7 @@ class ShardBatchSource:
         self._buf: mmap.mmap | None = None
         self._proc: subprocess.Popen | None = None
         self._lines = b""
+        self._error: DataError | None = None  # once the loader failed, every later call says so
         self._consumer = consumer
         if not consumer:
             return
@@ -60,6 +67,8 @@ class ShardBatchSource:
             self._connect()
             self._reposition(0)
         except BaseException:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()  # nobody will use it: don't let it wait out the connect timeout
             self.close()
             raise
 
@@ -74,22 +83,31 @@ class ShardBatchSource:
             self._n += 1  # a middle pipeline stage: only keep count
             empty = torch.empty((0, self.cfg.seq), dtype=torch.int64)
             return Batch(empty, empty, empty, empty)
+        if self._error is not None:
+            raise self._error
         if self._sock is None:
             raise DataError("next_batch() on a closed data source")
         n, slot = self._n, self._n % self.cfg.depth
-        self._await(n)
+        try:
+            self._await(n)
+        except DataError as e:
+            self._error = e
+            raise
         layout = self.cfg.layout
         tokens, docs, pos = layout.block(self._buf, slot, self._j)
-        t, d, p = (torch.from_numpy(a.astype(np.int64)) for a in (tokens, docs, pos))
+        # Shift, widen and mask straight out of shared memory: each output is one copy.
+        input_ids = tokens[:, :-1].astype(np.int64)
+        labels = tokens[:, 1:].astype(np.int64)
+        labels[docs[:, 1:] != docs[:, :-1]] = -100  # never predict across a document boundary
+        position_ids = pos[:, :-1].astype(np.int64)
+        document_ids = docs[:, :-1].copy()
         stamp = tuple(layout.stamp(self._buf, slot))
         del tokens, docs, pos  # views pin the mapping; close() needs them gone
         if stamp != (self._gen, n):
             raise DataError(f"shared-memory slot {slot} holds batch {stamp}, expected {(self._gen, n)} (loader bug)")
         self._send(f"C {self._gen} {n + 1}")
         self._n += 1
-        labels = t[:, 1:].clone()
-        labels[d[:, 1:] != d[:, :-1]] = -100  # never predict across a document boundary
-        return Batch(t[:, :-1].contiguous(), labels, p[:, :-1].contiguous(), d[:, :-1].contiguous())
+        return Batch(*(torch.from_numpy(a) for a in (input_ids, labels, position_ids, document_ids)))
 
     def state_dict(self) -> dict:
         sequence = self._start + self._n * self.cfg.batch_sequences
@@ -124,12 +142,12 @@ class ShardBatchSource:
                 self._proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
-        self._sock = self._buf = None
+        self._sock = self._buf = self._proc = None
 
-    def __enter__(self) -> "ShardBatchSource":
+    def __enter__(self) -> ShardBatchSource:  # noqa: PYI034 - Self needs Python 3.11
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- extras ------------------------------------------------------------------------------
@@ -174,12 +192,17 @@ class ShardBatchSource:
             time.sleep(0.02)
         self._sock = sock
         self._send(f"H {self.global_rank} {self.cfg.fingerprint()}")
-        msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-        while not msg.endswith(b"\n"):
-            more = sock.recv(4096)
-            if not more:
-                break
-            msg += more
+        sock.settimeout(self.cfg.connect_timeout)
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            while msg and not msg.endswith(b"\n"):
+                more = sock.recv(4096)
+                if not more:
+                    break
+                msg += more
+        except TimeoutError:
+            raise DataError(f"the node {self.node} data loader did not answer within {self.cfg.connect_timeout:.0f} s") from None
+        sock.settimeout(None)
         if not msg.startswith(b"OK") or not fds:
             for fd in fds:
                 os.close(fd)
@@ -195,7 +218,10 @@ class ShardBatchSource:
         while self._published <= n:
             readable, _, _ = select.select([self._sock], [], [], 1.0)
             if readable:
-                data = self._sock.recv(65536)
+                try:
+                    data = self._sock.recv(65536)
+                except OSError:  # reset: the loader died with our messages unread
+                    data = b""
                 if not data:
                     raise DataError(f"the node {self.node} data loader (pid {self.loader_pid}) died")
                 self._lines += data

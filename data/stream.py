@@ -15,9 +15,30 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
-
 from megascale.data import DataError
 from megascale.data.dataset import Dataset
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer on a Python int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def permutation(n: int, *key: int) -> np.ndarray:
+    """A seeded shuffle of range(n) defined here, not by numpy's RNG, so no library upgrade changes
+    the order a checkpoint resumes into: sort by a splitmix64 hash of (key, index)."""
+    h = 0
+    for k in key:
+        h = _mix(h ^ (k & _MASK))
+    z = np.arange(n, dtype=np.uint64) + np.uint64(h) + np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return np.argsort(z ^ (z >> np.uint64(31)), kind="stable")
 
 
 class _Window(NamedTuple):
@@ -52,7 +73,7 @@ class Stream:
     def windows(self, epoch: int) -> tuple[list[np.ndarray], np.ndarray]:
         """Shard numbers of each window of `epoch`, and the windows' cumulative token bounds."""
         if self._epoch is None or self._epoch[0] != epoch:
-            order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(self._shard_tokens))
+            order = permutation(len(self._shard_tokens), self.seed, epoch, 0)
             groups = [order[i:i + self.window] for i in range(0, len(order), self.window)]
             bounds = np.zeros(len(groups) + 1, dtype=np.int64)
             np.cumsum([self._shard_tokens[g].sum() for g in groups], out=bounds[1:])
@@ -81,7 +102,7 @@ class Stream:
             ids.append(self.ds.shards[shard].first_doc + np.arange(len(offsets) - 1))
             base += len(toks)
         flat, length, first, doc_ids = (np.concatenate(a) for a in (tokens, lengths, firsts, ids))
-        perm = np.random.default_rng([self.seed, epoch, 1, w]).permutation(len(length))
+        perm = permutation(len(length), self.seed, epoch, 1, w)
         # A loop over documents, not a gather index: that index would cost 8 bytes per token.
         packed = np.concatenate([flat[a:a + n] for a, n in zip(first[perm], length[perm])])
         starts = np.zeros(len(perm) + 1, dtype=np.int64)
@@ -119,18 +140,20 @@ class Stream:
         arrays = self.read(first * seq, count * seq + 1)
         return tuple(np.lib.stride_tricks.sliding_window_view(a, seq + 1)[::seq][:count] for a in arrays)
 
-    def prefetch_after(self, position: int) -> bool:
-        """Loads the window after the one holding `position`; True if that read anything."""
+    def prefetch(self, position: int) -> bool:
+        """Loads the window holding `position`, else the one after it; True if that read anything."""
         epoch, w, _ = self.locate(position)
         groups, _ = self.windows(epoch)
-        nxt = (epoch, w + 1) if w + 1 < len(groups) else (epoch + 1, 0)
-        if nxt in self._cache:
-            return False
-        self._window(*nxt)
-        return True
+        following = (epoch, w + 1) if w + 1 < len(groups) else (epoch + 1, 0)
+        for key in ((epoch, w), following):
+            if key not in self._cache:
+                self._window(*key)
+                return True
+        return False
 
     def describe(self, sequence: int, seq: int) -> dict:
         """Human-readable place of a sequence, stored beside the authoritative sequence number."""
         epoch, w, offset = self.locate(sequence * seq)
         groups, _ = self.windows(epoch)
-        return {"epoch": epoch, "window": w, "shards": [int(s) for s in groups[w]], "offset": offset}
+        return {"epoch": epoch, "window": w, "shards": [int(s) for s in groups[w]], "offset": offset,
+                "rng": [self.seed, epoch, 1, w]}  # the seed of this window's document shuffle

@@ -5,11 +5,11 @@ Every document ends with an end-of-text token, so a model learns where documents
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
-
 from megascale.data import DataError
 
 EOT = "<|endoftext|>"
@@ -51,11 +51,13 @@ class BPETokenizer:
         self.eot_id = tok.token_to_id(EOT)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab: int) -> "BPETokenizer":
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
+    def train(cls, texts: Iterable[str], vocab: int) -> BPETokenizer:
         if vocab < MIN_BPE_VOCAB:
             raise DataError(f"--vocab {vocab}: byte-level BPE needs at least {MIN_BPE_VOCAB}")
+        _require_tokenizers()
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -70,14 +72,15 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def load(cls, path: Path) -> "BPETokenizer":
+    def load(cls, path: Path) -> BPETokenizer:
+        _require_tokenizers()
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
             return cls(HFTokenizer.from_str(path.read_text()))
         except FileNotFoundError:
             raise DataError(f"{path}: tokenizer file missing") from None
-        except Exception as e:  # the tokenizers library raises bare Exceptions on bad JSON
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions on bad JSON
             raise DataError(f"{path}: not a valid tokenizer file ({str(e).splitlines()[0]})") from None
 
     def to_str(self) -> str:
@@ -88,6 +91,13 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _require_tokenizers() -> None:
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise DataError("the bpe tokenizer needs the `tokenizers` package (pip install tokenizers)") from None
 
 
 def make_tokenizer(kind: str, texts: Iterable[str] | None = None, vocab: int | None = None) -> Tokenizer:

@@ -94,6 +94,9 @@ class DataConfig:
     source: Literal["synthetic", "text", "shards"] = "synthetic"
     path: Optional[str] = None
     seed: int = 0
+    tokenizer: Literal["byte", "bpe"] = "byte"  # for source=text; BPE is trained locally, sized to model.vocab
+    prefetch: int = 4  # batches the node's loader keeps ready in shared memory
+    shuffle_window: int = 8  # shards whose documents are shuffled together
 
 
 @dataclass
@@ -101,6 +104,9 @@ class CheckpointConfig:
     uri: Optional[str] = None
     every: int = 0  # steps; 0 disables
     keep: int = 3
+    resume: bool = False  # start from the newest committed checkpoint under uri (`train --resume`)
+    filesystem: Optional[str] = None  # "module:function" (uri) -> (pyarrow FileSystem, path); None = from the uri
+    keeper_idle_s: float = 900.0  # the node's snapshot keeper exits this long after its last rank disconnects
 
 
 @dataclass
@@ -302,6 +308,13 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: must be >= 0")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    if (cfg.checkpoint.every or cfg.checkpoint.resume) and not cfg.checkpoint.uri:
+        raise ConfigError("checkpoint.uri: required when checkpoint.every > 0 or checkpoint.resume is set")
+    _positive("checkpoint.keeper_idle_s", cfg.checkpoint.keeper_idle_s)
+    _positive("data.prefetch", cfg.data.prefetch)
+    _positive("data.shuffle_window", cfg.data.shuffle_window)
+    if cfg.data.seed < 0:
+        raise ConfigError(f"data.seed={cfg.data.seed}: must be >= 0")
     if cfg.data.source != "synthetic" and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.source={cfg.data.source}")
     _validate_cluster(cfg)

@@ -49,24 +49,26 @@ def learning_rate(cfg: JobConfig, step: int) -> float:
     return opt.lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * shape)
 
 
-def make_source(cfg: JobConfig, ctx: ParallelContext) -> BatchSource:
+def make_source(cfg: JobConfig, ctx: ParallelContext, ranks_per_node: Optional[int] = None) -> BatchSource:
+    """The job's data: synthetic, or token shards served by one loader process per node."""
     if cfg.data.source == "synthetic":
         return SyntheticSource(vocab=cfg.model.vocab, seq=cfg.model.seq, global_batch=cfg.batch.global_,
                                dp_rank=ctx.dp.rank, dp_size=ctx.dp.size, seed=cfg.data.seed)
     from megascale.data import make_batch_source
 
     return make_batch_source(cfg.data, seq=cfg.model.seq, micro=cfg.batch.micro, microbatches=cfg.microbatches,
-                             dp_rank=ctx.dp.rank, dp_size=ctx.dp.size, tp_rank=ctx.tp.rank, pp_rank=ctx.pp.rank,
-                             pp_size=ctx.pp.size, global_rank=ctx.rank, ranks_per_node=ctx.layout.world_size,
-                             run_dir=cfg.train.run_dir)
+                             dp_rank=ctx.dp.rank, dp_size=ctx.dp.size, tp_rank=ctx.tp.rank, tp_size=ctx.tp.size,
+                             pp_rank=ctx.pp.rank, pp_size=ctx.pp.size, global_rank=ctx.rank,
+                             ranks_per_node=ranks_per_node, run_dir=cfg.train.run_dir, vocab=cfg.model.vocab)
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None):
+    def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None,
+                 ranks_per_node: Optional[int] = None):
         self.cfg, self.ctx = cfg, ctx
         self.chunks, self.optimizer = parallelize(GPT(cfg.model), ctx, cfg)
         self.dtype = compute_dtype(cfg, ctx.device)
-        self.source = source or make_source(cfg, ctx)
+        self.source = source or make_source(cfg, ctx, ranks_per_node)
         self.step_index = 0
         seq = cfg.model.seq // ctx.tp.size if ctx.sequence_parallel else cfg.model.seq
         self.activation_shape = (cfg.batch.micro, seq, cfg.model.hidden)
@@ -90,8 +92,9 @@ class Trainer:
         microbatches = cfg.microbatches
         with timer.span("data"):
             input_ids, labels = self.source.next_batch()
-            inputs = [t.to(ctx.device) for t in input_ids.chunk(microbatches)]
-            targets = [t.to(ctx.device) for t in labels.chunk(microbatches)]
+            # Middle pipeline stages receive empty tensors: they read activations, not tokens.
+            inputs = [t.to(ctx.device) for t in input_ids.chunk(microbatches)] if input_ids.numel() else [None] * microbatches
+            targets = [t.to(ctx.device) for t in labels.chunk(microbatches)] if labels.numel() else [None] * microbatches
         self.optimizer.begin_step(microbatches)
         loss = run_schedule(self.chunks, ctx, inputs, targets, self._loss_weights(targets),
                             self.activation_shape, self.dtype, overlap=cfg.parallelism.overlap.pp)

@@ -64,8 +64,7 @@ def main() -> int:
     out = Path(__file__).with_name("python_docs.jsonl")
     docs = reference() + module_docs(stdlib)
     with open(out, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
     print(f"{out}: {len(docs)} documents, {out.stat().st_size} bytes from Python {sys.version.split()[0]}")
     return 0
 
