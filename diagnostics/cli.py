@@ -78,12 +78,12 @@ def _inject(nodes: list, items: list[str]) -> None:
 
 
 def _table(report) -> str:
-    lines = [f"{'check':<11} {'metric':<19} {'nodes':<14} {'target':<14} {'value':>11} {'threshold':>14}  status"]
+    lines = [f"{'check':<11} {'metric':<19} {'nodes':<14} {'target':<14} {'value':>16} {'threshold':>12}  status"]
     for c in report.checks:
         value = "-" if c.value is None else f"{c.value:.4g} {c.unit}"
         limit = f"{c.comparison} {c.threshold:.4g}" if c.threshold is not None else "-"
         note = f"  {c.detail}" if c.status != "pass" and c.detail else ""
-        lines.append(f"{c.check:<11} {c.metric:<19} {','.join(c.nodes):<14} {c.target:<14} {value:>11} {limit:>14}"
+        lines.append(f"{c.check:<11} {c.metric:<19} {','.join(c.nodes):<14} {c.target:<14} {value:>16} {limit:>12}"
                      f"  {c.status.upper()}{note}")
     for iso in report.isolation:
         lines.append(f"isolation tor:{iso.topology}: suspects {iso.suspects or '-'} -> bad {iso.bad_nodes or '-'}")
@@ -91,3 +91,15 @@ def _table(report) -> str:
     bad = f"; bad nodes: {','.join(report.bad_nodes)}" if report.bad_nodes else ""
     lines.append(f"{verdict}: {len(report.checks)} checks on {len(report.nodes)} nodes in {report.elapsed_s:.1f} s{bad}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (`python -m megascale.diagnostics.cli diagnose ...`)."""
+    parser = argparse.ArgumentParser(prog="megascale")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 _PRELOAD = ["torch", "torch.distributed", "megascale.diagnostics.collectives"]
 
@@ -33,7 +32,8 @@ class _Job:
     ranks: tuple[RankSpec, ...]
     nbytes: int
     window_s: float
-    timeout_s: float
+    timeout_s: float  # each collective
+    startup_s: float  # for every rank to come up
     backend: str
     store_port: int
     latency: bool
@@ -43,8 +43,8 @@ class _Job:
 class CollectiveResult:
     ok: bool
     error: str = ""
-    iter_s: Optional[float] = None  # median over iterations of the slowest rank's iteration time
-    latency_s: Optional[float] = None  # same, for a 4-byte all-reduce
+    iter_s: float | None = None  # median over iterations of the slowest rank's iteration time
+    latency_s: float | None = None  # same, for a 4-byte all-reduce
     waits_s: list[float] = field(default_factory=list)  # per rank: time spent inside collectives
     iterations: int = 0
 
@@ -53,7 +53,7 @@ class CollectiveResult:
         factor = (world - 1) / world * (2 if op == "all_reduce" else 1)
         return nbytes / self.iter_s * factor / 1e9
 
-    def straggler(self) -> Optional[int]:
+    def straggler(self) -> int | None:
         """Index of the rank that waited far less than its peers: everyone else waited for it."""
         if len(self.waits_s) < 2:
             return None
@@ -64,31 +64,44 @@ class CollectiveResult:
 
 def run_collective(op: str, ranks: list[RankSpec], nbytes: int, budget_s: float, timeout_s: float,
                    backend: str, spawn_grace_s: float, latency: bool = False) -> CollectiveResult:
-    """Time `op` over one process per RankSpec for about half of `budget_s`."""
+    """Time `op` over one process per RankSpec for about half of `budget_s`.
+
+    Ranks get `spawn_grace_s` to start (process start-up is not the network's fault); from the
+    moment all are up the run gets `budget_s`, and each collective `min(timeout_s, budget_s)`.
+    """
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    try:
+        # Generous: c10d reverse-resolves socket addresses, and a slow DNS server stalls this for
+        # seconds; nothing here waits on the store's timeout otherwise.
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=max(60, timeout_s)),
+                              wait_for_workers=False)
+    except RuntimeError as e:  # DistNetworkError and friends: a failed check, not a crashed suite
+        return CollectiveResult(False, f"TCPStore on 127.0.0.1: {e}".splitlines()[0][:300])
     window = budget_s * (0.35 if latency else 0.5)
-    job = _Job(op, tuple(ranks), nbytes, window, min(timeout_s, budget_s), backend, store.port, latency)
+    job = _Job(op, tuple(ranks), nbytes, window, min(timeout_s, budget_s), spawn_grace_s, backend, store.port,
+               latency)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # the fork server imports torch once for every run
     procs = [ctx.Process(target=_rank_main, args=(job, r), daemon=True, name=f"diag-{op}-{r}")
              for r in range(len(ranks))]
     for p in procs:
         p.start()
-    keys = [f"result/{r}" for r in range(len(ranks))]
-    deadline = time.monotonic() + budget_s + spawn_grace_s
-    first_error: Optional[float] = None
+    results, up = [f"result/{r}" for r in range(len(ranks))], [f"up/{r}" for r in range(len(ranks))]
+    deadline, started = time.monotonic() + spawn_grace_s, False
+    first_error: float | None = None
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if not started and store.check(up):
+            started, deadline = True, time.monotonic() + budget_s + 2.0
         # Once one rank has failed the rest get a short grace to report, then the run is over.
-        if first_error is None and any(_is_error(store, k) for k in keys):
+        if first_error is None and any(_is_error(store, k) for k in results):
             first_error = time.monotonic()
             deadline = min(deadline, first_error + 2.0)
         time.sleep(0.02)
     hung = _reap(procs)  # listed first below: a hung rank is the cause, its peers' timeouts the symptom
-    results = [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
-    return _combine(job, results, hung)
+    late = [r for r, key in enumerate(up) if not store.check([key])]
+    out = [json.loads(store.get(k)) if store.check([k]) else None for k in results]
+    return _combine(job, out, hung, late)
 
 
 def _is_error(store, key: str) -> bool:
@@ -109,12 +122,14 @@ def _reap(procs: list) -> list[int]:
     return hung
 
 
-def _combine(job: _Job, results: list[Optional[dict]], hung: list[int]) -> CollectiveResult:
+def _combine(job: _Job, results: list[dict | None], hung: list[int], late: list[int]) -> CollectiveResult:
     problems = []
     for r in sorted(range(len(results)), key=lambda r: r not in hung):
         res = results[r]
         who = f"rank {r} (node {job.ranks[r].node}, local rank {job.ranks[r].local_rank})"
-        if r in hung:
+        if r in late:
+            problems.append(f"{who} did not start within {job.startup_s:g} s")
+        elif r in hung:
             problems.append(f"{who} hung and was killed")
         elif res is None:
             problems.append(f"{who} exited without a result")
@@ -138,12 +153,17 @@ def _rank_main(job: _Job, rank: int) -> None:
     timeout = datetime.timedelta(seconds=job.timeout_s)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every local-backend node is on this host
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", job.store_port, is_master=False, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", job.store_port, is_master=False,
+                          timeout=datetime.timedelta(seconds=job.startup_s))
     try:
+        # Rendezvous on the store first, with the start-up allowance: a peer that is slow to
+        # start must not eat into the collective timeout.
+        store.set(f"up/{rank}", "1")
+        store.wait([f"up/{r}" for r in range(len(job.ranks))])
         dist.init_process_group(job.backend, store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=len(job.ranks), timeout=timeout)
         result = _measure(job, spec)
-    except BaseException as e:  # report, then exit: the parent turns it into a failed check
+    except BaseException as e:  # noqa: BLE001 - report, then exit: the parent turns it into a failed check
         result = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
     store.set(f"result/{rank}", json.dumps(result))
     if dist.is_initialized():

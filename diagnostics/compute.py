@@ -58,7 +58,7 @@ def check_gemm(node: NodeSpec, config: DiagnosticsConfig, faults: Faults, budget
             t0 = time.perf_counter()
             try:
                 row.value = gemm_gflops(device, n, budget_s * 0.8, faults.gemm_factor(position))
-            except Exception as e:  # a broken device is a failed check, not a crashed suite
+            except Exception as e:  # noqa: BLE001 - a broken device is a failed check, not a crashed suite
                 row.status, row.detail = FAIL, f"n={n}: {type(e).__name__}: {e}".splitlines()[0]
             row.elapsed_s = time.perf_counter() - t0
             rows.append(row)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from megascale.config import ConfigError
 
@@ -28,11 +30,11 @@ class Threshold:
     median of the same metric. Absolute metrics (health) use `min_value` / `max_value` only.
     """
 
-    min_ratio: Optional[float] = None  # throughput: pass iff value >= baseline * min_ratio
-    max_ratio: Optional[float] = None  # latency: pass iff value <= baseline * max_ratio
-    expected: Optional[float] = None  # configured baseline; None = cluster median
-    min_value: Optional[float] = None
-    max_value: Optional[float] = None
+    min_ratio: float | None = None  # throughput: pass iff value >= baseline * min_ratio
+    max_ratio: float | None = None  # latency: pass iff value <= baseline * max_ratio
+    expected: float | None = None  # configured baseline; None = cluster median
+    min_value: float | None = None
+    max_value: float | None = None
 
     @property
     def relative(self) -> bool:
@@ -69,7 +71,7 @@ class DiagnosticsConfig:
     checks: tuple[str, ...] = CHECKS
     budgets: dict[str, float] = field(default_factory=default_budgets)
     thresholds: dict[str, Threshold] = field(default_factory=default_thresholds)
-    interfaces: Optional[tuple[str, ...]] = None  # None = every up interface with an IPv4 address
+    interfaces: tuple[str, ...] | None = None  # None = every up interface with an IPv4 address
     loopback_mb: float = 256.0  # upper bound on bytes per bulk transfer; the time window ends it first
     all_to_all_mb: float = 4.0  # per rank
     all_reduce_mb: float = 16.0
@@ -79,11 +81,11 @@ class DiagnosticsConfig:
     shm_path: str = "/dev/shm"
     backend: str = "auto"  # auto | gloo | nccl
     collective_timeout_s: float = 20.0  # every collective; a hung peer fails the check after this
-    spawn_grace_s: float = 10.0  # extra time a collective run's processes get to start and exit
+    spawn_grace_s: float = 15.0  # time a collective run's processes get to start and meet on the store
     isolate: bool = True  # re-pair nodes to name the bad one when a pair all-reduce fails
     allow_fault_injection: bool = False  # tests only: honour NodeSpec.faults
 
-    def validate(self) -> "DiagnosticsConfig":
+    def validate(self) -> DiagnosticsConfig:
         _positive("budget_s", self.budget_s)
         if not self.checks:
             raise ConfigError("checks is empty; choose from " + ",".join(CHECKS))
@@ -94,12 +96,11 @@ class DiagnosticsConfig:
             if name not in CHECKS:
                 raise ConfigError(f"budgets.{name}: unknown check; choose from {','.join(CHECKS)}")
             _positive(f"budgets.{name}", seconds)
-        for key in ("loopback_mb", "all_to_all_mb", "all_reduce_mb", "alloc_mb", "collective_timeout_s"):
+        for key in ("loopback_mb", "all_to_all_mb", "all_reduce_mb", "alloc_mb", "collective_timeout_s",
+                    "spawn_grace_s"):
             _positive(key, getattr(self, key))
         if not isinstance(self.gemm_size, int) or self.gemm_size < 0:
             raise ConfigError(f"gemm_size={self.gemm_size!r} must be an integer >= 0 (0 = auto)")
-        if not (isinstance(self.spawn_grace_s, (int, float)) and self.spawn_grace_s >= 0):
-            raise ConfigError(f"spawn_grace_s={self.spawn_grace_s!r} must be >= 0")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"backend={self.backend!r} must be one of auto, gloo, nccl")
         known = default_thresholds()
@@ -116,7 +117,7 @@ class DiagnosticsConfig:
         return self.thresholds.get(key) or default_thresholds()[key]
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DiagnosticsConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> DiagnosticsConfig:
         """Build from a YAML-style mapping, e.g. a job config's `diagnostics:` section."""
         cfg = cls()
         for key, value in data.items():
@@ -154,7 +155,7 @@ class DiagnosticsConfig:
         else:
             raise ConfigError(f"{key}: unknown diagnostics setting")
 
-    def apply_overrides(self, overrides: list[str]) -> "DiagnosticsConfig":
+    def apply_overrides(self, overrides: list[str]) -> DiagnosticsConfig:
         for item in overrides:
             key, sep, value = item.partition("=")
             if not sep or not key:
@@ -171,7 +172,7 @@ _FIELD_TYPES = {
 def _coerce(key: str, value: Any, type_name: str) -> Any:
     if "tuple" in type_name:  # checks, interfaces: comma-separated on the command line
         if value is None or value == "":
-            return None if "Optional" in type_name else ()
+            return None if "None" in type_name else ()
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(str(v).strip() for v in items if str(v).strip())
     if type_name == "bool":
@@ -192,7 +193,7 @@ def _coerce(key: str, value: Any, type_name: str) -> Any:
     return str(value)
 
 
-def _number(key: str, value: Any, allow_none: bool = False) -> Optional[float]:
+def _number(key: str, value: Any, allow_none: bool = False) -> float | None:
     if allow_none and (value is None or str(value).lower() in ("none", "null", "")):
         return None
     try:
@@ -210,7 +211,7 @@ def _validate_threshold(key: str, th: Threshold, default: Threshold) -> None:
     name = f"thresholds.{key}"
     for f in dataclasses.fields(Threshold):
         v = getattr(th, f.name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
             raise ConfigError(f"{name}.{f.name}={v!r} must be a number")
     if default.relative:
         if th.min_value is not None or th.max_value is not None:
@@ -246,7 +247,7 @@ class NodeSpec:
     host: str = "127.0.0.1"
     devices: tuple[int, ...] = (0,)  # one rank per device; CUDA indices on GPU, labels on CPU
     topology: str = LOCAL_TOR  # switch (ToR) label; all-reduce pairs stay within one label
-    interfaces: Optional[tuple[str, ...]] = None  # None = DiagnosticsConfig.interfaces
+    interfaces: tuple[str, ...] | None = None  # None = DiagnosticsConfig.interfaces
     faults: dict[str, str] = field(default_factory=dict)  # MEGASCALE_DIAG_* -> value; tests only
 
 
@@ -297,7 +298,7 @@ def _local_addresses() -> set[str]:
 
         for addrs in psutil.net_if_addrs().values():
             names.update(a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
-    except Exception:  # psutil missing or restricted: loopback still counts
+    except (ImportError, OSError):  # psutil missing or restricted: loopback still counts
         pass
     names.update(str(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1"))
     return names

@@ -16,8 +16,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
 
 from megascale.config import ConfigError
 
@@ -30,8 +30,8 @@ class Faults:
     slow_gemm: dict = field(default_factory=dict)  # device position (or None = all) -> speed factor
     slow_rank: dict = field(default_factory=dict)  # local rank -> delay seconds per collective
     slow_net_s: float = 0.0
-    hang_rank: Optional[int] = None
-    loopback_rate: Optional[float] = None  # bytes/s
+    hang_rank: int | None = None
+    loopback_rate: float | None = None  # bytes/s
 
     def gemm_factor(self, position: int) -> float:
         return self.slow_gemm.get(position, self.slow_gemm.get(None, 1.0))
@@ -77,7 +77,7 @@ def parse_faults(node_id: str, spec: Mapping[str, str], allowed: bool) -> Faults
     return Faults(**out)
 
 
-def _split(name: str, value: str, optional_index: bool) -> tuple[Optional[int], float]:
+def _split(name: str, value: str, optional_index: bool) -> tuple[int | None, float]:
     index, sep, number = value.rpartition(":")
     if not sep and not optional_index:
         raise ConfigError(f"{name}={value!r}: expected RANK:MILLISECONDS")
@@ -115,7 +115,7 @@ class RateLimitedProxy:
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="diag-proxy").start()
 
-    def __enter__(self) -> "RateLimitedProxy":
+    def __enter__(self) -> RateLimitedProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import torch
@@ -52,7 +51,7 @@ def _device_memory(node: NodeSpec, config: DiagnosticsConfig, budget_s: float) -
         t0 = time.perf_counter()
         try:
             row.value = memory_test(torch.device(target), nbytes)
-        except Exception as e:  # out of memory or a device error is this check failing
+        except Exception as e:  # noqa: BLE001 - out of memory or a device error is this check failing
             row.status, row.detail = FAIL, f"{config.alloc_mb:g} MB: {type(e).__name__}: {e}".splitlines()[0]
         row.elapsed_s = time.perf_counter() - t0
         rows.append(row)
@@ -110,7 +109,7 @@ def _gpu_errors(node: NodeSpec, timeout_s: float) -> list[CheckResult]:
     return rows
 
 
-def parse_smi(text: str) -> dict[int, tuple[str, Optional[int]]]:
+def parse_smi(text: str) -> dict[int, tuple[str, int | None]]:
     """`index, pci.bus_id, ecc` CSV lines -> {index: (bus_id, uncorrected count or None)}."""
     gpus = {}
     for line in text.strip().splitlines():
@@ -125,7 +124,7 @@ def parse_xids(text: str) -> list[tuple[str, int]]:
     return [(m.group(1), int(m.group(2))) for m in _XID.finditer(text)]
 
 
-def _kernel_xids(timeout_s: float) -> Optional[list[tuple[str, int]]]:
+def _kernel_xids(timeout_s: float) -> list[tuple[str, int]] | None:
     try:
         out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=timeout_s, check=True).stdout
     except (OSError, subprocess.SubprocessError):

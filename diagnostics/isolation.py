@@ -2,7 +2,8 @@
 the nodes of failing pairs with nodes known to be healthy; whoever still fails is the bad node."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from itertools import combinations
 
 PairCheck = Callable[[str, str], bool]  # True when the pair's collective is healthy
 
@@ -16,12 +17,12 @@ def first_round_pairs(nodes: list[str]) -> list[tuple[str, str]]:
 
 
 def isolate(nodes: list[str], pair_check: PairCheck,
-            first_round: Optional[dict[tuple[str, str], bool]] = None) -> list[str]:
+            first_round: dict[tuple[str, str], bool] | None = None) -> list[str]:
     """Names of the bad nodes among `nodes`.
 
     `first_round` holds verdicts already measured for `first_round_pairs(nodes)`; without it they
-    are measured here. If no pair ever passes there is no healthy reference and every suspect is
-    returned: the fault is shared (e.g. the switch) or cannot be narrowed down.
+    are measured here. If no pair passes even after re-pairing, there is no healthy reference and
+    every suspect is returned: the fault is shared (e.g. the switch) or cannot be narrowed down.
     """
     if len(nodes) < 2:
         return []
@@ -31,15 +32,17 @@ def isolate(nodes: list[str], pair_check: PairCheck,
     if not suspects:
         return []
     if not good:
-        # Every pair failed: cross the suspects once so that any healthy node shows itself.
-        rotated = suspects[1:] + suspects[:1]
-        for a, b in zip(rotated[::2], rotated[1::2]):
-            if (a, b) not in verdicts and (b, a) not in verdicts:
-                verdicts[(a, b)] = ok = pair_check(a, b)
-                good |= {a, b} if ok else set()
-        suspects = [n for n in suspects if n not in good]
+        # Every pair failed: try untested pairs (at most one per node) until one passes, which
+        # gives a healthy reference; many bad nodes are rarer than one bad switch, so stop early.
+        untested = [p for p in combinations(suspects, 2) if p not in verdicts and p[::-1] not in verdicts]
+        for a, b in untested[:len(nodes)]:
+            verdicts[(a, b)] = ok = pair_check(a, b)
+            if ok:
+                good = {a, b}
+                break
         if not good:
             return suspects
+        suspects = [n for n in suspects if n not in good]
     refs = [n for n in nodes if n in good]
     bad = []
     for i, suspect in enumerate(suspects):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 from .config import Threshold
 
@@ -21,12 +20,12 @@ class CheckResult:
     metric: str  # e.g. bandwidth; `check.metric` names the threshold
     nodes: list[str]  # nodes the measurement involved
     target: str  # interface, device, "pair:a+b", "tor:<label>", path
-    value: Optional[float]
+    value: float | None
     unit: str
     status: str = PENDING  # pass | fail | skip (pending only before judging)
-    baseline: Optional[float] = None
+    baseline: float | None = None
     baseline_source: str = "none"  # configured | median | absolute | none
-    threshold: Optional[float] = None  # the number value was compared with
+    threshold: float | None = None  # the number value was compared with
     comparison: str = ""  # ">=" or "<="
     elapsed_s: float = 0.0
     budget_s: float = 0.0
@@ -72,14 +71,14 @@ class Report:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def to_json(self, indent: Optional[int] = 2) -> str:
+    def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     def failures(self) -> list[CheckResult]:
         return [c for c in self.checks if c.status == FAIL]
 
 
-def baseline(values: list[float], th: Threshold) -> tuple[Optional[float], str]:
+def baseline(values: list[float], th: Threshold) -> tuple[float | None, str]:
     """Configured `expected`, else the cluster median; with an even count, the better middle value
     so that one straggler in a small cluster cannot drag the baseline towards itself."""
     if th.expected is not None:
@@ -90,7 +89,13 @@ def baseline(values: list[float], th: Threshold) -> tuple[Optional[float], str]:
     return pick(values), "median"
 
 
-def judge(row: CheckResult, base: Optional[float], source: str, th: Threshold) -> CheckResult:
+def _sig(x: float | None) -> float | None:
+    return None if x is None else float(f"{x:.6g}")
+
+
+def judge(row: CheckResult, base: float | None, source: str, th: Threshold) -> CheckResult:
+    """Set row.status from its value and the baseline (relative) or the bounds (absolute)."""
+    row.value = _sig(row.value)
     if row.value is None:
         row.status = FAIL
         return row
@@ -105,15 +110,15 @@ def judge(row: CheckResult, base: Optional[float], source: str, th: Threshold) -
             ok = row.value <= th.max_value
         row.status = PASS if ok else FAIL
         return row
-    row.baseline, row.baseline_source = base, source
+    row.baseline, row.baseline_source = _sig(base), source
     if base is None:
         row.status = PASS
         return row
     if th.min_ratio is not None:
-        row.threshold, row.comparison = base * th.min_ratio, ">="
+        row.threshold, row.comparison = _sig(base * th.min_ratio), ">="
         row.status = PASS if row.value >= row.threshold else FAIL
     else:
-        row.threshold, row.comparison = base * th.max_ratio, "<="
+        row.threshold, row.comparison = _sig(base * th.max_ratio), "<="
         row.status = PASS if row.value <= row.threshold else FAIL
     return row
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -14,8 +14,20 @@ from .faults import Faults, faults_allowed, parse_faults
 from .health import check_health
 from .isolation import first_round_pairs, isolate
 from .loopback import check_loopback, interfaces
-from .report import (FAIL, PASS, SCHEMA_VERSION, SKIP, CheckResult, IsolationResult, NodeStatus, Report,
-                     baseline, judge, judge_pending)
+from .report import (
+    FAIL,
+    PASS,
+    PENDING,
+    SCHEMA_VERSION,
+    SKIP,
+    CheckResult,
+    IsolationResult,
+    NodeStatus,
+    Report,
+    baseline,
+    judge,
+    judge_pending,
+)
 
 
 class _Clock:
@@ -28,8 +40,8 @@ class _Clock:
         return max(0.0, min(seconds, self.end - time.monotonic()))
 
 
-def run_suite(nodes: list[NodeSpec], config: Optional[DiagnosticsConfig] = None,
-              log: Optional[Callable[[str], None]] = None) -> Report:
+def run_suite(nodes: list[NodeSpec], config: DiagnosticsConfig | None = None,
+              log: Callable[[str], None] | None = None) -> Report:
     """Run `config.checks` on `nodes` (local backend: all on this host) and return the judged report.
 
     Raises ConfigError for bad nodes, config or fault specs before anything runs.
@@ -43,20 +55,17 @@ def run_suite(nodes: list[NodeSpec], config: Optional[DiagnosticsConfig] = None,
             interfaces(n.interfaces or config.interfaces)
     say = log or (lambda msg: None)
     backend = config.backend if config.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    utc = datetime.timezone.utc  # noqa: UP017 - datetime.UTC needs Python 3.11
+    started = datetime.datetime.now(utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
     clock = _Clock(config.budget_s * len(nodes))
     run = _Run(config, faults, clock, backend, say)
     for check in CHECKS:
-        if check not in config.checks:
-            continue
-        if check == "all_reduce":
+        if check == "all_reduce" and check in config.checks:
             run.all_reduce(nodes)
-            continue
-        for node in nodes:
-            say(f"{check} on {node.node_id}")
-            getattr(run, check)(node)
-    judge_pending(run.rows, {k: config.threshold(k) for k in {r.key for r in run.rows}})
+        elif check in config.checks:
+            run.per_node(check, nodes)
+    judge_pending(run.rows, {k: config.threshold(k) for k in {r.key for r in run.rows if r.status == PENDING}})
     return _report(nodes, run, config, backend, started, time.monotonic() - t0)
 
 
@@ -67,39 +76,75 @@ class _Run:
         self.rows: list[CheckResult] = []
         self.isolation: list[IsolationResult] = []
 
-    def _budget(self, check: str, nodes: list[str], units: int = 1) -> float:
-        budget = self.clock.take(self.config.budget(check) * units)
-        if budget < 0.05:
-            self.rows.append(CheckResult(check, "not_run", nodes, "-", None, "", status=FAIL,
-                                         detail=f"not run: suite budget of {self.clock.total_s:g} s used up"))
-        return budget
+    def _budget(self, check: str, units: int = 1) -> float:
+        wanted = self.config.budget(check) * units
+        budget = self.clock.take(wanted)
+        return budget if budget >= max(0.05, wanted / 4) else 0.0  # a sliver measures nothing useful
 
-    def health(self, node: NodeSpec) -> None:
-        if budget := self._budget("health", [node.node_id]):
-            self.rows += check_health(node, self.config, budget)
+    def _not_run(self, check: str, nodes: list[str]) -> CheckResult:
+        return CheckResult(check, "not_run", nodes, "-", None, "", status=FAIL,
+                           detail=f"not run: suite budget of {self.clock.total_s:g} s used up")
 
-    def gemm(self, node: NodeSpec) -> None:
-        if budget := self._budget("gemm", [node.node_id], len(node.devices)):
-            self.rows += check_gemm(node, self.config, self.faults[node.node_id], budget / len(node.devices))
+    def per_node(self, check: str, nodes: list[NodeSpec]) -> None:
+        """Measure every node, judge against the cluster baseline, then re-measure each node whose
+        relative result failed once and keep its better value: a persistent fault fails twice, a
+        noisy neighbour on a shared host rarely does."""
+        measure, units = getattr(self, check), getattr(self, f"_{check}_units", lambda n: 1)
+        first: dict[str, list[CheckResult]] = {}
+        for node in nodes:
+            self.say(f"{check} on {node.node_id}")
+            budget = self._budget(check, units(node)) if units(node) else 0.0
+            first[node.node_id] = measure(node, budget) if budget or not units(node) else [
+                self._not_run(check, [node.node_id])]
+        rows = [r for node_rows in first.values() for r in node_rows]
+        thresholds = {r.key: self.config.threshold(r.key) for r in rows if r.status == PENDING}
+        judge_pending(rows, thresholds)
+        for node in nodes:
+            failed = [r for r in first[node.node_id] if r.status == FAIL and r.value is not None
+                      and r.baseline_source in ("median", "configured")]
+            if not failed or not (budget := self._budget(check, units(node))):
+                continue
+            self.say(f"{check} on {node.node_id}: confirming {len(failed)} failed result(s)")
+            again = {(r.metric, r.target): r for r in measure(node, budget)}
+            for row in failed:
+                other = again.get((row.metric, row.target))
+                if other is None or other.value is None:
+                    continue
+                th = thresholds[row.key]
+                row.value = max(row.value, other.value) if th.min_ratio is not None else min(row.value, other.value)
+                row.detail = "; ".join(filter(None, [row.detail, "better of 2 runs"]))
+                row.elapsed_s += other.elapsed_s
+                judge(row, row.baseline, row.baseline_source, th)
+        self.rows += rows
 
-    def loopback(self, node: NodeSpec) -> None:
-        count = len(interfaces(node.interfaces or self.config.interfaces))
-        if budget := self._budget("loopback", [node.node_id], count):
-            self.rows += check_loopback(node, self.config, self.faults[node.node_id], budget / count)
+    def health(self, node: NodeSpec, budget: float) -> list[CheckResult]:
+        return check_health(node, self.config, budget)
 
-    def all_to_all(self, node: NodeSpec) -> None:
+    def gemm(self, node: NodeSpec, budget: float) -> list[CheckResult]:
+        return check_gemm(node, self.config, self.faults[node.node_id], budget / len(node.devices))
+
+    def _gemm_units(self, node: NodeSpec) -> int:
+        return len(node.devices)
+
+    def loopback(self, node: NodeSpec, budget: float) -> list[CheckResult]:
+        return check_loopback(node, self.config, self.faults[node.node_id], budget / self._loopback_units(node))
+
+    def _loopback_units(self, node: NodeSpec) -> int:
+        return len(interfaces(node.interfaces or self.config.interfaces))
+
+    def all_to_all(self, node: NodeSpec, budget: float) -> list[CheckResult]:
         target = f"{len(node.devices)} ranks"
         if len(node.devices) < 2:
-            self.rows.append(CheckResult("all_to_all", "bus_bandwidth", [node.node_id], target, None, "GB/s",
-                                         status=SKIP, detail="one rank: nothing to exchange"))
-            return
-        if not (budget := self._budget("all_to_all", [node.node_id])):
-            return
+            return [CheckResult("all_to_all", "bus_bandwidth", [node.node_id], target, None, "GB/s",
+                                status=SKIP, detail="one rank: nothing to exchange")]
         f = self.faults[node.node_id]
         ranks = [RankSpec(node.node_id, i, d, f.slow_rank.get(i, 0.0), f.hang_rank == i)
                  for i, d in enumerate(node.devices)]
         nbytes = int(self.config.all_to_all_mb * 2**20)
-        self.rows.append(self._collective("all_to_all", "bus_bandwidth", ranks, nbytes, budget, target)[0])
+        return self._collective("all_to_all", "bus_bandwidth", ranks, nbytes, budget, target)
+
+    def _all_to_all_units(self, node: NodeSpec) -> int:
+        return 1 if len(node.devices) > 1 else 0
 
     def all_reduce(self, nodes: list[NodeSpec]) -> None:
         # Only nodes under the same switch are compared: crossing ToRs measures the spine instead.
@@ -118,20 +163,32 @@ class _Run:
         spec = {n.node_id: self._net_rank(n) for n in members}
         nbytes = int(self.config.all_reduce_mb * 2**20)
         self.say(f"all_reduce on tor:{tor}")
-        if budget := self._budget("all_reduce", ids):
+        if not (budget := self._budget("all_reduce")):
+            self.rows.append(self._not_run("all_reduce", ids))
+        else:
             self.rows += self._collective("all_reduce", "bus_bandwidth", list(spec.values()), nbytes, budget,
                                           f"tor:{tor}", latency=True)
         # Pairs: each is judged against the first round's median, so later pairs cannot move it.
         first = []
         for a, b in first_round_pairs(ids):
             self.say(f"all_reduce on pair {a}+{b}")
-            if budget := self._budget("all_reduce", [a, b]):
+            if not (budget := self._budget("all_reduce")):
+                self.rows.append(self._not_run("all_reduce", [a, b]))
+            else:
                 first += self._collective("all_reduce", "pair_bus_bandwidth", [spec[a], spec[b]], nbytes,
                                           budget, f"pair:{a}+{b}", detail="round 1")
         th = self.config.threshold("all_reduce.pair_bus_bandwidth")
         base, source = baseline([r.value for r in first if r.value is not None], th)
         for row in first:
             if row.status != FAIL:
+                judge(row, base, source, th)
+            if row.status == FAIL and row.value is not None and (budget := self._budget("all_reduce")):
+                a, b = row.nodes  # slow, not broken: confirm once before blaming anyone
+                self.say(f"all_reduce on pair {a}+{b}: confirming")
+                [again] = self._collective("all_reduce", "pair_bus_bandwidth", [spec[a], spec[b]], nbytes,
+                                           budget, row.target)
+                row.value = max(row.value, again.value or 0.0)
+                row.detail += "; better of 2 runs"
                 judge(row, base, source, th)
         self.rows += first
         tested = [[r.nodes[0], r.nodes[1], 1, r.status == PASS] for r in first]
@@ -140,8 +197,8 @@ class _Run:
 
         def pair_check(a: str, b: str) -> bool:
             self.say(f"isolation: all_reduce on pair {a}+{b}")
-            budget = self._budget("all_reduce", [a, b])
-            if not budget:
+            if not (budget := self._budget("all_reduce")):
+                self.rows.append(self._not_run("all_reduce", [a, b]))
                 return False
             [row] = self._collective("all_reduce", "pair_bus_bandwidth", [spec[a], spec[b]], nbytes, budget,
                                      f"pair:{a}+{b}", detail="round 2 (isolation)")
@@ -192,6 +249,8 @@ def _straggler_note(res, ranks: list[RankSpec]) -> str:
 
 def _report(nodes: list[NodeSpec], run: _Run, config: DiagnosticsConfig, backend: str, started: str,
             elapsed: float) -> Report:
+    for row in run.rows:
+        row.elapsed_s, row.budget_s = round(row.elapsed_s, 3), round(row.budget_s, 3)
     named = {n for iso in run.isolation for n in iso.bad_nodes}
     statuses, bad = [], []
     for node in nodes:
