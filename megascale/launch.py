@@ -114,24 +114,43 @@ def layout_of(cfg: JobConfig) -> Layout:
 
 def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    """One rank's training loop; the reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
+    """One rank's training loop. Every rank appends its step timings to timings-rank<R>.jsonl
+    (the dashboard's heatmap); the reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
+    from megascale.checkpoint import Checkpointer
     from megascale.train import Trainer
 
     trainer = Trainer(cfg, ctx)
+    ckpt = cfg.checkpoint
+    checkpointer = Checkpointer(cfg, ctx, trainer.optimizer) if ckpt.every or ckpt.resume else None
+    if checkpointer:
+        if ckpt.resume:
+            checkpointer.restore(trainer)
+        if ckpt.every:
+            checkpointer.prepare()  # allocate the host buffer now, not in the first save
     reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
     history = []
     metrics = open(Path(run_dir) / "metrics.jsonl", "a") if reporter else None
+    timings = open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a")
     try:
-        for _ in range(cfg.train.steps):
+        while trainer.step_index < cfg.train.steps:
             stats = asdict(trainer.step())
             history.append(stats)
+            timings.write(json.dumps(stats["timings"]) + "\n")
+            timings.flush()
             if reporter:
                 metrics.write(json.dumps(stats) + "\n")
                 metrics.flush()
                 if on_step is not None:
                     on_step(stats)
+            if checkpointer:
+                checkpointer.after_step(trainer)
+        if checkpointer:
+            checkpointer.flush()  # the last checkpoint commits before the job reports success
     finally:
+        if checkpointer:
+            checkpointer.close()
         trainer.close()
+        timings.close()
         if metrics:
             metrics.close()
     return history

@@ -2,8 +2,10 @@
 straggler detection and dashboards.
 
 Segments: `data`, `forward`, `backward`, `optimizer`; for each communication kind
-(`tp`, `pp`, `dp`) the time the operation was in flight (`comm_<kind>`) and the part
-compute had to wait for it (`exposed_<kind>`). Wall clock on CPU. On GPU the same
+(`tp`, `pp`, `dp`) the wall time during which at least one operation of that kind was
+in flight, from issue until it was waited on (`comm_<kind>`; for a receive posted
+ahead this includes the sender's compute), and the part compute had to wait for it
+(`exposed_<kind>`, the number that overlap must drive down). Wall clock on CPU. On GPU the same
 calls record CUDA events that are resolved after the step, so the critical path is
 never synchronised.
 """
@@ -57,6 +59,7 @@ class StepTimer:
         self.enabled = enabled
         self._totals: dict[str, float] = defaultdict(float)
         self._cuda_spans: list[tuple[str, _CudaSpan]] = []
+        self._in_flight: dict[str, tuple[int, float]] = {}  # kind -> (open operations, since)
 
     @contextmanager
     def span(self, segment: str) -> Iterator[None]:
@@ -78,6 +81,19 @@ class StepTimer:
     def add(self, segment: str, seconds: float) -> None:
         if self.enabled:
             self._totals[segment] += seconds
+
+    def issued(self, kind: str) -> None:
+        count, since = self._in_flight.get(kind, (0, time.perf_counter()))
+        self._in_flight[kind] = (count + 1, since)
+
+    def completed(self, kind: str) -> None:
+        """Closes one in-flight operation; the busy interval ends when none is left open."""
+        count, since = self._in_flight[kind]
+        if count == 1:
+            del self._in_flight[kind]
+            self.add(f"comm_{kind}", time.perf_counter() - since)
+        else:
+            self._in_flight[kind] = (count - 1, since)
 
     def collect(self) -> dict[str, float]:
         """Segment totals since the last collect (resolves CUDA events here, after the step)."""

@@ -34,16 +34,16 @@ class InFlight:
     """An async collective or P2P: in flight from issue to completion; exposed while waited on."""
 
     def __init__(self, work: Optional[dist.Work], group: Group):
-        self.work, self.group, self.issued = work, group, time.perf_counter()
+        self.work, self.group = work, group
+        group.timer.issued(group.kind)
 
     def wait(self) -> None:
         if self.work is None:
             return
         blocked = time.perf_counter()
         self.work.wait()
-        done = time.perf_counter()
-        self.group.timer.add(f"exposed_{self.group.kind}", done - blocked)
-        self.group.timer.add(f"comm_{self.group.kind}", done - self.issued)
+        self.group.timer.add(f"exposed_{self.group.kind}", time.perf_counter() - blocked)
+        self.group.timer.completed(self.group.kind)
         self.work = None
 
 

@@ -228,7 +228,7 @@ class DistributedOptimizer:
 
     # ---- checkpoint state --------------------------------------------------------------
 
-    def _owned_pieces(self):
+    def owned_pieces(self):
         """(param index, start within the flat param, length, offset in this rank's shard) per owned piece."""
         for (start, n), bucket in zip(self.shard_ranges, self.buckets):
             for i in bucket.params:
@@ -237,19 +237,10 @@ class DistributedOptimizer:
                 if lo < hi:
                     yield i, lo - off, hi - lo, bucket.shard_start + lo - start
 
-    def shard_state(self) -> dict:
-        """This rank's optimizer state in a layout-free form: pieces of named, flattened
-        parameters, so a checkpoint restores onto any DP size."""
-        pieces = []
-        for i, start, length, at in self._owned_pieces():
-            pieces.append({"name": self.names[i], "start": start, "length": length,
-                           **{k: getattr(self, k)[at:at + length].clone() for k in STATE_KEYS}})
-        return {"step": self.step_count, "pieces": pieces}
-
     def load_shard_state(self, step: int, lookup) -> None:
         """Fills this rank's shard from `lookup(name, start, length) -> {key: tensor}` (keys STATE_KEYS)."""
         self.step_count = int(step)
-        for i, start, length, at in self._owned_pieces():
+        for i, start, length, at in self.owned_pieces():
             found = lookup(self.names[i], start, length)
             for key in STATE_KEYS:
                 getattr(self, key)[at:at + length].copy_(found[key])

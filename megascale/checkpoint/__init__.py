@@ -1,0 +1,28 @@
+"""Two-phase checkpointing: host-memory snapshots on the critical path, persisted by a per-node
+keeper process, committed by a manifest; restore from host memory or one reader per DP group.
+
+Exports load lazily: the keeper process imports this package and must not pay for torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "Checkpointer": "megascale.checkpoint.checkpointer",
+    "CheckpointError": "megascale.checkpoint.storage",
+    "CorruptShard": "megascale.checkpoint.storage",
+    "committed_steps": "megascale.checkpoint.storage",
+    "open_storage": "megascale.checkpoint.storage",
+    "shutdown_keeper": "megascale.checkpoint.client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'megascale.checkpoint' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = list(_EXPORTS)

@@ -1,0 +1,183 @@
+"""A rank's side of the keeper: finding (or starting) it, and the memfd host buffer they share."""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megascale.checkpoint import ipc
+from megascale.checkpoint.storage import CheckpointError, normalize_uri
+
+log = logging.getLogger("megascale.checkpoint")
+CONNECT_TIMEOUT_S = 60.0  # a keeper starting on a loaded node needs a few seconds
+_spawned: list[subprocess.Popen] = []  # kept so they are reaped, never waited on
+
+
+class KeeperGone(CheckpointError):
+    """The keeper process exited or closed the connection."""
+
+
+class HostBuffer:
+    """Host memory in a memfd: the keeper maps the same pages, so handing a snapshot over
+    copies nothing, and the pages live while either side holds the fd."""
+
+    def __init__(self, size: int, fd: Optional[int] = None, pin: bool = False):
+        if fd is None:
+            fd = os.memfd_create("megascale-snapshot", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd, self.size = fd, size
+        # Populate now: faulting pages in during the first save would lengthen its stall.
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.pinned = pin and self._pin()
+
+    def _pin(self) -> bool:
+        # Page-locked memory lets device-to-host copies run as DMA at full bandwidth.
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, 0)
+            return int(err) == 0 if not isinstance(err, tuple) else int(err[0]) == 0
+        except Exception as e:  # pinning is an optimisation: copies still work unpinned
+            log.warning("could not pin the %d-byte snapshot buffer: %s", self.size, e)
+            return False
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:  # a view still refers to it; the mapping goes with the last one
+            pass
+        os.close(self.fd)
+
+
+class KeeperLink:
+    """One rank's connection to its node's keeper; `snapshot` is what the keeper held at connect."""
+
+    def __init__(self, uri: str, rank: int, factory: Optional[str] = None, idle_s: float = 900.0,
+                 spawn: bool = True):
+        self.uri, self.rank = normalize_uri(uri), rank
+        self.sock = _connect(self.uri, factory, idle_s, spawn)
+        self.send({"op": "hello", "rank": rank})
+        reply = self.recv(timeout=CONNECT_TIMEOUT_S)
+        if reply is None:
+            raise KeeperGone(f"keeper for {self.uri} did not answer within {CONNECT_TIMEOUT_S:.0f} s")
+        hello, fds = reply
+        self.pid: int = hello["pid"]
+        self.snapshot: Optional[dict] = hello["snapshot"]
+        self.snapshot_size: int = hello["size"]
+        self.snapshot_fd: Optional[int] = fds[0] if fds else None
+
+    def send(self, obj: dict, fds: tuple[int, ...] = ()) -> None:
+        try:
+            ipc.send(self.sock, obj, fds)
+        except OSError as e:
+            raise KeeperGone(f"checkpoint keeper (pid {getattr(self, 'pid', '?')}) is gone: {e}") from None
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[tuple[dict, list[int]]]:
+        try:
+            return ipc.recv(self.sock, timeout)
+        except (EOFError, OSError) as e:
+            raise KeeperGone(f"checkpoint keeper (pid {getattr(self, 'pid', '?')}) is gone: {e}") from None
+
+    def take_snapshot_fd(self) -> Optional[int]:
+        fd, self.snapshot_fd = self.snapshot_fd, None
+        return fd
+
+    def close(self) -> None:
+        if self.snapshot_fd is not None:
+            os.close(self.snapshot_fd)
+            self.snapshot_fd = None
+        self.sock.close()
+
+
+def _connect(uri: str, factory: Optional[str], idle_s: float, spawn: bool) -> socket.socket:
+    name = ipc.socket_name(uri)
+    deadline, lock = time.monotonic() + CONNECT_TIMEOUT_S, None
+    try:  # holding the lock until connected: one spawn per node at a time
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(name)
+                return sock
+            except (ConnectionRefusedError, FileNotFoundError):
+                sock.close()
+            if not spawn:
+                raise KeeperGone(f"no checkpoint keeper serves {uri}")
+            if lock is None:
+                lock = _spawn_lock(name)
+                if lock is not None:  # this rank starts the keeper; the node's other ranks wait for it
+                    _spawn(uri, factory, idle_s)
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint keeper for {uri} did not start within {CONNECT_TIMEOUT_S:.0f} s "
+                                      f"(see {_log_path(uri)})")
+            time.sleep(0.05)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _spawn_lock(name: str) -> Optional[socket.socket]:
+    """An abstract socket bound as a lock: only its holder starts a keeper, so two never race to
+    bind (a late starter could bind after the first exits and linger). The kernel releases it if
+    the holder dies. None while another process holds it."""
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        lock.bind(name + "-spawn")
+        return lock
+    except OSError:
+        lock.close()
+        return None
+
+
+def _log_path(uri: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"megascale-keeper-{ipc.socket_name(uri)[18:]}.log"
+
+
+def _spawn(uri: str, factory: Optional[str], idle_s: float) -> None:
+    root = str(Path(__file__).resolve().parents[2])  # so the keeper imports this same checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    log_path = _log_path(uri)
+    command = [sys.executable, "-m", "megascale.checkpoint.keeper", "--uri", uri, "--idle-s", str(idle_s),
+               "--log", str(log_path)]
+    if factory:
+        command += ["--filesystem", factory]
+    with open(log_path, "ab") as out:
+        # Its own session: it must outlive the ranks and ignore the terminal's Ctrl-C.
+        _spawned.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                         start_new_session=True))
+    for proc in list(_spawned):
+        if proc.poll() is not None:
+            _spawned.remove(proc)
+
+
+def shutdown_keeper(uri: str) -> Optional[int]:
+    """Stops the keeper serving `uri` (dropping its host snapshots); returns its pid, None if none ran."""
+    try:
+        sock = _connect(normalize_uri(uri), None, 0, spawn=False)
+    except KeeperGone:
+        return None
+    try:
+        ipc.send(sock, {"op": "shutdown"})
+        reply = ipc.recv(sock, timeout=10)
+    except (EOFError, OSError):
+        reply = None
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until its socket is gone, so the next connect cannot reach it
+        try:
+            _connect(normalize_uri(uri), None, 0, spawn=False).close()
+        except KeeperGone:
+            break
+        time.sleep(0.02)
+    return reply[0]["pid"] if reply else None

@@ -1,0 +1,71 @@
+"""Messages between a rank and its node's keeper: JSON over a Unix SOCK_SEQPACKET socket
+(one message per packet), with file descriptors (shared-memory snapshots) passed by SCM_RIGHTS.
+
+Only JSON crosses the socket: nothing is ever unpickled. Tensor bytes never do either; they
+stay in shared memory that both sides map.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import socket
+import struct
+from typing import Optional
+
+MAX_INLINE = 32 << 10  # larger messages travel in a memfd passed with the packet
+MAX_FDS = 4
+
+
+def socket_name(uri: str) -> str:
+    """The keeper's abstract socket for a checkpoint URI (per user; gone when the keeper exits)."""
+    digest = hashlib.sha256(f"{os.getuid()}:{uri}".encode()).hexdigest()[:24]
+    return f"\0megascale-keeper-{digest}"
+
+
+def send(sock: socket.socket, obj: dict, fds: tuple[int, ...] | list[int] = ()) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    blob = None
+    if len(data) > MAX_INLINE:
+        blob = os.memfd_create("megascale-message", os.MFD_CLOEXEC)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(blob, view):]
+        data, fds = json.dumps({"$blob": len(data)}).encode(), [blob, *fds]
+    try:
+        if fds:
+            socket.send_fds(sock, [data], list(fds))
+        else:
+            sock.sendmsg([data])
+    finally:
+        if blob is not None:
+            os.close(blob)
+
+
+def recv(sock: socket.socket, timeout: Optional[float] = None) -> Optional[tuple[dict, list[int]]]:
+    """The next message and its fds; None after `timeout` seconds; EOFError once the peer is gone."""
+    if timeout is not None and not select.select([sock], [], [], timeout)[0]:
+        return None
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_INLINE + 1024, MAX_FDS)
+    except ConnectionResetError:
+        raise EOFError("peer reset the connection") from None
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("peer closed the connection")
+    obj = json.loads(data)
+    if "$blob" in obj:
+        blob = fds.pop(0)
+        try:
+            raw = os.pread(blob, obj["$blob"], 0)
+        finally:
+            os.close(blob)
+        obj = json.loads(raw)
+    return obj, fds
+
+
+def peer_uid(sock: socket.socket) -> int:
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid

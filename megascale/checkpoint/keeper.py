@@ -1,0 +1,229 @@
+"""The per-node snapshot keeper: phase 2 of checkpointing, in its own process.
+
+It holds each local rank's latest snapshot (a memfd the rank filled in phase 1), writes it to
+storage with a checksum when asked, and writes the manifest for rank 0. It outlives the
+training processes, so after the ranks restart on the same node they get their snapshots back
+from it instead of from storage. It exits after `--idle-s` seconds without a connected rank,
+or on a `shutdown` message. A rank starts it on demand; an executor daemon can start and own
+it instead by running `python -m megascale.checkpoint.keeper --uri URI` itself.
+
+No torch here, so it starts in a fraction of a second.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from megascale.checkpoint import ipc
+from megascale.checkpoint.storage import (Storage, apply_retention, normalize_uri, open_storage, write_file,
+                                          write_manifest)
+
+log = logging.getLogger("megascale.checkpoint")
+
+
+@dataclass
+class Slot:
+    """One rank's host buffer; `snapshot` describes the file image in it, if any."""
+
+    fd: int
+    size: int
+    view: mmap.mmap
+    snapshot: Optional[dict] = None
+
+    def close(self) -> None:
+        try:
+            self.view.close()
+        except BufferError:  # a write still holds a view; the mapping goes with the last reference
+            pass
+        os.close(self.fd)
+
+
+class Keeper:
+    def __init__(self, storage: Storage, name: str, idle_s: float, on_exit: Callable[[], None] = lambda: None):
+        self.storage, self.name, self.idle_s, self.on_exit = storage, name, idle_s, on_exit
+        self.slots: dict[int, Slot] = {}
+        self.live: collections.Counter = collections.Counter()  # rank -> open connections
+        self.lock = threading.Lock()
+        self.connections = 0
+        self.last_active = time.monotonic()
+
+    def serve(self) -> None:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            server.bind(self.name)
+        except OSError:
+            log.info("another keeper already serves %s; exiting", self.storage.uri)
+            return
+        server.listen(256)
+        server.settimeout(1.0)
+        log.info("keeper pid %d serving %s", os.getpid(), self.storage.uri)
+        while True:
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                with self.lock:
+                    idle = self.connections == 0 and time.monotonic() - self.last_active > self.idle_s
+                if idle:
+                    log.info("no rank connected for %.0f s; exiting (host snapshots dropped)", self.idle_s)
+                    self.on_exit()
+                    return
+                continue
+            if ipc.peer_uid(conn) != os.getuid():  # abstract sockets have no file permissions
+                conn.close()
+                continue
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._serve_rank, args=(conn,), daemon=True).start()
+
+    def _serve_rank(self, conn: socket.socket) -> None:
+        rank = None
+        try:
+            while True:
+                msg, fds = ipc.recv(conn)
+                if msg["op"] == "hello" and rank is None:
+                    rank = msg["rank"]
+                    with self.lock:
+                        self.live[rank] += 1
+                try:
+                    reply, out_fds = self._handle(msg, fds)
+                except Exception as e:  # a bad request must not take the keeper down
+                    log.exception("request %s failed", msg.get("op"))
+                    reply, out_fds = {"op": "error", "step": msg.get("step"), "error": f"{type(e).__name__}: {e}"}, []
+                ipc.send(conn, reply, out_fds)
+                if msg["op"] == "shutdown":
+                    self.on_exit()
+                    os._exit(0)
+        except (EOFError, OSError):
+            pass  # the rank exited or restarted; its slot (and snapshot) stays
+        finally:
+            conn.close()
+            with self.lock:
+                self.connections -= 1
+                self.last_active = time.monotonic()
+                if rank is not None:
+                    self.live[rank] -= 1
+
+    def _handle(self, msg: dict, fds: list[int]) -> tuple[dict, list[int]]:
+        op, rank = msg["op"], msg.get("rank", -1)
+        if op == "hello":
+            slot = self.slots.get(rank)
+            if slot is None:
+                return {"op": "hello", "pid": os.getpid(), "snapshot": None, "size": 0}, []
+            return {"op": "hello", "pid": os.getpid(), "snapshot": slot.snapshot, "size": slot.size}, [slot.fd]
+        if op == "attach":
+            new = Slot(fds[0], msg["size"], mmap.mmap(fds[0], msg["size"], prot=mmap.PROT_READ))
+            with self.lock:
+                old, self.slots[rank] = self.slots.get(rank), new
+            if old is not None:
+                old.close()
+            return {"op": "attached"}, []
+        if op == "persist":
+            if rank not in self.slots:
+                return {"op": "persist_failed", "step": msg["step"], "error": f"rank {rank} attached no buffer"}, []
+            return self._persist(self.slots[rank], msg), []
+        if op == "commit":
+            return self._commit(msg), []
+        if op == "forget":
+            with self.lock:
+                slot = self.slots.pop(rank, None)
+            if slot is not None:
+                slot.close()
+            return {"op": "forgotten"}, []
+        if op == "shutdown":
+            return {"op": "bye", "pid": os.getpid()}, []
+        return {"op": "error", "error": f"unknown op {op!r}"}, []
+
+    def _persist(self, slot: Slot, msg: dict) -> dict:
+        step, offset, length = msg["step"], msg["offset"], msg["length"]
+        snapshot = {k: msg[k] for k in ("step", "key", "coords", "offset", "length")}
+        snapshot["state"] = "persisting"
+        slot.snapshot = snapshot
+        directory = self.storage.path(msg["dir"])
+        path = f"{directory}/{msg['file']}"
+        started = time.perf_counter()
+        try:
+            self.storage.fs.create_dir(directory, recursive=True)
+            with memoryview(slot.view) as view:
+                crc = write_file(self.storage, path, view[offset:offset + length])
+        except Exception as e:  # storage full, unwritable, unreachable: report, commit nothing
+            slot.snapshot = None
+            try:
+                self.storage.fs.delete_file(path)
+            except Exception:
+                pass
+            log.error("step %d: persisting %s failed: %s: %s", step, path, type(e).__name__, e)
+            return {"op": "persist_failed", "step": step, "error": f"{type(e).__name__}: {e}"}
+        seconds = time.perf_counter() - started
+        snapshot.update(state="persisted", crc32=crc)
+        return {"op": "persisted", "step": step, "crc32": crc, "bytes": length, "seconds": seconds}
+
+    def _commit(self, msg: dict) -> dict:
+        step = msg["step"]
+        try:
+            write_manifest(self.storage, step, msg["manifest"])
+        except Exception as e:
+            log.error("step %d: writing the manifest failed: %s: %s", step, type(e).__name__, e)
+            return {"op": "commit_failed", "step": step, "error": f"{type(e).__name__}: {e}"}
+        self._drop_orphans(step)
+        try:
+            removed = apply_retention(self.storage, msg["keep"])
+        except Exception as e:  # the commit stands; old checkpoints linger until the next one
+            log.warning("step %d: retention failed: %s: %s", step, type(e).__name__, e)
+            removed = []
+        return {"op": "committed", "step": step, "removed": removed}
+
+
+    def _drop_orphans(self, step: int) -> None:
+        """Once step N is committed every current rank holds N: a disconnected slot holding less
+        belongs to a rank of an earlier layout (e.g. before a DP resize) and is freed."""
+        with self.lock:
+            orphans = [r for r, slot in self.slots.items()
+                       if not self.live[r] and (slot.snapshot or {}).get("step", -1) < step]
+            for rank in orphans:
+                self.slots.pop(rank).close()
+        if orphans:
+            log.info("freed the host snapshots of departed ranks %s", orphans)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megascale.checkpoint.keeper", description=__doc__)
+    parser.add_argument("--uri", required=True, help="checkpoint.uri")
+    parser.add_argument("--filesystem", help="checkpoint.filesystem factory (module:function)")
+    parser.add_argument("--idle-s", type=float, default=900.0, help="exit after this long with no rank connected")
+    parser.add_argument("--log", help="this keeper's log file (stderr), deleted on a clean exit without warnings")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper[%(process)d] %(levelname)s %(message)s")
+    warned = _WarningFlag()
+    logging.getLogger().addHandler(warned)
+    uri = normalize_uri(args.uri)
+    Keeper(open_storage(uri, args.filesystem), ipc.socket_name(uri), args.idle_s, on_exit=lambda: (
+        _remove_quiet_log(args.log, warned.seen))).serve()
+
+
+class _WarningFlag(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen = True
+
+
+def _remove_quiet_log(path: Optional[str], warned: bool) -> None:
+    if path and not warned:  # nothing worth keeping: do not litter the temp directory
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Small jobs, the instrumented file system, and keepers shut down after every test."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megascale.checkpoint import shutdown_keeper
+from megascale.checkpoint.client import _log_path
+from megascale.config import JobConfig, from_dict
+
+
+def _load_fsutil():
+    spec = importlib.util.spec_from_file_location("megascale_test_fsutil", Path(__file__).with_name("fsutil.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fsutil = _load_fsutil()
+
+
+def job(uri: str, parallelism: dict | None = None, steps: int = 4, **checkpoint) -> JobConfig:
+    return from_dict({
+        "model": {"layers": 4, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16, "block": "parallel"},
+        "parallelism": parallelism or {},
+        "batch": {"micro": 1, "global": 4},
+        # Warm-up then cosine: a resumed run only matches if it resumes the schedule too.
+        "optimizer": {"name": "lamb", "lr": 0.02, "schedule": {"kind": "cosine", "warmup_steps": 1}},
+        "checkpoint": {"uri": uri, "filesystem": fsutil.SPEC, "keeper_idle_s": 120, **checkpoint},
+        "train": {"steps": steps},
+    })
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    root = tmp_path / "ckpt"
+    yield root
+    shutdown_keeper(str(root))
+    _log_path(str(root)).unlink(missing_ok=True)  # kept by keepers that logged errors on purpose
+
+
+@pytest.fixture
+def fs():
+    """The instrumented file system module (reads, set_options, SPEC)."""
+    return fsutil
+
+
+@pytest.fixture
+def make_job():
+    return job
