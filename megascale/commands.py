@@ -12,13 +12,14 @@ BENCHMARKS = {
     "overlap": "megascale.parallel.bench_overlap:run",
     "init": "megascale.rendezvous.bench:run",
     "data": "megascale.data.bench:run",
+    "checkpoint": "megascale.checkpoint.bench:run",
+    "heartbeat": "megascale.driver.bench:run",
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    for name, help_text in (("run", "run a job on this machine on embedded defaults"),
-                            ("train", "train a job's ranks as local processes")):
-        _add_train_parser(subparsers, name, help_text)
+    # `run` (the full control plane) lives in megascale.driver.cli.
+    _add_train_parser(subparsers, "train", "train a job's ranks as local processes (no control plane)")
 
     bench = subparsers.add_parser("bench", help="run a benchmark and print its ratios")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
@@ -35,6 +36,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, name: str, help_te
     train.add_argument("--steps", type=int, help="override train.steps")
     train.add_argument("--run-dir", help="override train.run_dir")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--resume", action="store_true", help="continue from the newest committed checkpoint")
     train.set_defaults(func=_train)
 
 
@@ -47,6 +49,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"train.steps={args.steps}")
     if args.run_dir:
         overrides.append(f"train.run_dir={args.run_dir}")
+    if args.resume:
+        overrides.append("checkpoint.resume=true")
     cfg = load_config(args.config, overrides)
     return launch_local(cfg, progress=not args.quiet)
 

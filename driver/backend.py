@@ -1,0 +1,60 @@
+"""Where nodes come from. The driver sees only this interface; local processes and Kubernetes pods
+implement it, so recovery logic never asks which one it is talking to.
+
+A node is one executor daemon with a node id. The driver decides which ids are active and
+which are spares (`pool.py`); a backend only starts, stops, lists and evicts them.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class NodeLaunch:
+    """Everything an executor needs to join the job, whatever starts it."""
+    job: str
+    redis_url: str
+    kafka: str
+    run_dir: str
+    heartbeat_s: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class NodeInfo:
+    node: str
+    alive: bool
+    host: str
+    where: str  # how to find it: "pid 1234", a pod name
+
+
+class Backend(ABC):
+    @abstractmethod
+    def start(self, nodes: list[str]) -> None:
+        """Start one executor per node id (ids are new: a backend never sees one twice)."""
+
+    @abstractmethod
+    def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
+        """Stop these nodes' executors (they stop their ranks first); idempotent."""
+
+    @abstractmethod
+    def list(self) -> dict[str, NodeInfo]:
+        """Every node this backend started for the job, alive or not."""
+
+    @abstractmethod
+    def evict(self, node: str) -> None:
+        """Stop the node and keep its machine out of this job (Kubernetes: cordon it)."""
+
+    @abstractmethod
+    def log_files(self, node: str) -> list[Path]:
+        """Readable logs of a node, executor first, for `megascale logs` (empty if not local files)."""
+
+
+def make_backend(kind: str, launch: NodeLaunch, client) -> Backend:
+    if kind == "local":
+        from .local import LocalBackend
+
+        return LocalBackend(launch, client)
+    raise ValueError(f"cluster.backend={kind!r}: no such backend")

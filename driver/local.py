@@ -1,0 +1,115 @@
+"""The local backend: each node is an executor process on this machine, in its own session.
+
+Node pids live in Redis so a restarted driver (or `megascale stop` from another shell) can find
+and stop nodes it did not start; (pid, start time) pairs guard against pid reuse.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import redis
+
+from . import log
+from .backend import Backend, NodeInfo, NodeLaunch
+
+
+class LocalBackend(Backend):
+    def __init__(self, launch: NodeLaunch, client: redis.Redis):
+        self.launch, self.r = launch, client
+        self.key = f"megascale:{{{launch.job}}}:local"
+        self._children: dict[str, subprocess.Popen] = {}
+
+    def work_dir(self, node: str) -> Path:
+        return Path(self.launch.run_dir) / "nodes" / node
+
+    def start(self, nodes: list[str]) -> None:
+        for node in nodes:
+            work = self.work_dir(node)
+            work.mkdir(parents=True, exist_ok=True)
+            argv = [sys.executable, "-m", "megascale.executor", "--job", self.launch.job, "--node", node,
+                    "--redis", self.launch.redis_url, "--kafka", self.launch.kafka, "--work-dir", str(work),
+                    "--heartbeat-s", str(self.launch.heartbeat_s)]
+            env = {**os.environ, **self.launch.env}
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every "node" is on this host
+            with open(work / "executor.log", "ab") as out:
+                # Own session: a Ctrl-C at the terminal reaches `megascale run`, which stops nodes in order.
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
+            self._children[node] = proc
+            self.r.hset(self.key, node, json.dumps({"pid": proc.pid, "ctime": _ctime(proc.pid)}))
+            log.info("started node %s (pid %d)", node, proc.pid)
+
+    def _process(self, node: str, raw: Optional[bytes]) -> Optional[psutil.Process]:
+        if node in self._children and self._children[node].poll() is not None:
+            return None  # reaped here
+        if not raw:
+            return None
+        info = json.loads(raw)
+        try:
+            proc = psutil.Process(info["pid"])
+            if info["ctime"] is not None and abs(proc.create_time() - info["ctime"]) > 0.5:
+                return None  # the pid now belongs to someone else
+            return None if proc.status() == psutil.STATUS_ZOMBIE else proc
+        except psutil.Error:
+            return None
+
+    def list(self) -> dict[str, NodeInfo]:
+        out = {}
+        for node, raw in self.r.hgetall(self.key).items():
+            node = node.decode()
+            proc = self._process(node, raw)
+            out[node] = NodeInfo(node, proc is not None, "127.0.0.1", f"pid {json.loads(raw)['pid']}")
+        return out
+
+    def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
+        records = self.r.hmget(self.key, nodes) if nodes else []
+        procs = {n: p for n, raw in zip(nodes, records) if (p := self._process(n, raw)) is not None}
+        for node, proc in procs.items():
+            log.info("stopping node %s (pid %d)", node, proc.pid)
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for node, proc in procs.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except psutil.TimeoutExpired:
+                log.warning("node %s ignored SIGTERM for %.0f s: killing it", node, grace_s)
+                _signal(proc, signal.SIGKILL)
+            except psutil.Error:
+                pass
+        for node in nodes:
+            child = self._children.get(node)
+            if child is not None:
+                try:
+                    child.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def evict(self, node: str) -> None:
+        self.stop([node])  # nothing to cordon on one machine; its id is never reused
+
+    def log_files(self, node: str) -> list[Path]:
+        work = self.work_dir(node)
+        ranks = sorted(work.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
+        return [work / "executor.log", *ranks]
+
+
+def _ctime(pid: int) -> Optional[float]:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass

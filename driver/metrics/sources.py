@@ -1,0 +1,128 @@
+"""Where the dashboard and `megascale trace` read timings from: the driver's Parquet store or a
+local run directory (`megascale train` writes `timings-rank<R>.jsonl`, one StepTimings per line)."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Optional, Protocol
+
+import yaml
+
+from .schema import JsonlTail
+from .store import ParquetStore
+
+
+class TimingsSource(Protocol):
+    job: str
+    ranks_per_node: Optional[int]  # None: the caller's default
+
+    def step_range(self) -> Optional[tuple[int, int]]: ...
+    def read(self, first: Optional[int] = None, last: Optional[int] = None) -> list[dict]: ...
+    def status(self) -> dict: ...
+
+
+class ParquetSource:
+    def __init__(self, store: ParquetStore, job: str, ranks_per_node: Optional[int] = None):
+        self.store, self.job, self.ranks_per_node = store, job, ranks_per_node
+
+    def step_range(self) -> Optional[tuple[int, int]]:
+        return self.store.step_range(self.job)
+
+    def read(self, first: Optional[int] = None, last: Optional[int] = None) -> list[dict]:
+        return self.store.read(self.job, first, last)
+
+    def status(self) -> dict:
+        return {"job": self.job, **self.store.read_status(self.job)}
+
+
+class RunDirSource:
+    """A run directory, read incrementally: the files only grow while a run is going."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        if not self.dir.is_dir():
+            raise FileNotFoundError(f"run directory {self.dir} does not exist")
+        config = _yaml(self.dir / "config.yaml")
+        self.config = config
+        self.job = str(config.get("name") or self.dir.name)
+        par, cluster = config.get("parallelism") or {}, config.get("cluster") or {}
+        world = int(par.get("tp", 1)) * int(par.get("pp", 1)) * int(par.get("dp", 1))
+        self.ranks_per_node = cluster.get("ranks_per_node") or max(1, world // int(cluster.get("nodes") or 1))
+        self._records: dict[tuple[int, int], dict] = {}
+        self._tail = JsonlTail()
+        self._lock = threading.Lock()
+
+    def timing_files(self) -> list[Path]:
+        return sorted(self.dir.glob("timings-rank*.jsonl"))
+
+    def _refresh(self) -> None:
+        with self._lock:
+            for rec in self._tail.read(self.timing_files()):
+                self._records[(rec["step"], rec["rank"])] = rec  # a resumed run replays steps: the newest wins
+
+    def step_range(self) -> Optional[tuple[int, int]]:
+        self._refresh()
+        steps = [step for step, _ in self._records]
+        return (min(steps), max(steps)) if steps else None
+
+    def read(self, first: Optional[int] = None, last: Optional[int] = None) -> list[dict]:
+        self._refresh()
+        keys = sorted(k for k in self._records if (first is None or k[0] >= first) and (last is None or k[0] <= last))
+        return [self._records[k] for k in keys]
+
+    def status(self) -> dict:
+        """What a finished or running local run can say about itself (no driver: no restarts, no ETTR)."""
+        last = _last_json_line(self.dir / "metrics.jsonl") or {}
+        total = (self.config.get("train") or {}).get("steps")
+        state = "finished" if total and last.get("step", 0) >= total else "running" if last else "starting"
+        return {"job": self.job, "state": state, "step": last.get("step"), "total_steps": total,
+                "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"), "run_dir": str(self.dir)}
+
+
+def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Optional[str] = None,
+                runs_root: str = "runs") -> TimingsSource:
+    """The source the CLI flags name; with only JOB, the newest `runs/<JOB>-*` that has timings."""
+    if run_dir:
+        return RunDirSource(run_dir)
+    if parquet:
+        store = ParquetStore(parquet)
+        jobs = store.jobs()
+        if job is None and len(jobs) == 1:
+            job = jobs[0]
+        if job is None or job not in jobs:
+            raise FileNotFoundError(f"no job {job!r} in {parquet} (found: {', '.join(jobs) or 'none'}); "
+                                    f"name one of them")
+        return ParquetSource(store, job)
+    if job:
+        candidates = sorted((p for p in Path(runs_root).glob(f"{job}-*") if any(p.glob("timings-rank*.jsonl"))),
+                            key=lambda p: p.stat().st_mtime)
+        if candidates:
+            return RunDirSource(candidates[-1])
+        raise FileNotFoundError(f"no run of job {job!r} with per-rank timings under {runs_root}/; "
+                                f"pass --run-dir RUN or --parquet DIR")
+    raise FileNotFoundError("name a JOB, --run-dir RUN or --parquet DIR")
+
+
+def _yaml(path: Path) -> dict:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (FileNotFoundError, yaml.YAMLError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _last_json_line(path: Path) -> Optional[dict]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None

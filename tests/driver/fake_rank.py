@@ -1,0 +1,27 @@
+"""A stand-in rank for control-plane tests: no torch, no rendezvous, just steps on a timer.
+
+The executor runs it instead of the training entry point when MEGASCALE_RANK_ENTRY points here.
+FAKE_STEP_S: seconds per step. FAKE_FAIL: "RANK:STEP" makes that rank raise at that step in
+incarnation 1 only (a restart then succeeds).
+"""
+import os
+import sys
+import time
+
+from megascale.executor.rank import Progress, RankSpec, die_with_parent
+
+spec = RankSpec.load(sys.argv[1])
+die_with_parent(spec.parent_pid)
+progress = Progress(spec.progress_path)
+steps = spec.config["train"]["steps"]
+step_s = float(os.environ.get("FAKE_STEP_S", "0.2"))
+fail_rank, _, fail_step = os.environ.get("FAKE_FAIL", "-1:-1").partition(":")
+progress.write({"state": "running"})
+for step in range(1, steps + 1):
+    time.sleep(step_s)
+    if spec.rank == int(fail_rank) and step == int(fail_step) and spec.incarnation == 1:
+        raise RuntimeError(f"injected failure at step {step}")
+    if spec.rank == spec.world_size - 1:  # one reporting rank, like train_rank
+        progress.write({"step": step, "loss": 10.0 / step, "step_time": step_s, "tokens_per_s": 1000.0,
+                        "grad_norm": 1.0, "lr": 0.01})
+progress.write({"state": "done", "step": steps})

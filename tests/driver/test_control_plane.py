@@ -1,0 +1,192 @@
+"""`megascale run` / `launch` end to end: real Redis, real tansu, real driver/executor/rank processes.
+
+All but the last use stand-in ranks (tests/driver/fake_rank.py: steps on a timer, no torch),
+so they test the control plane in seconds; the last trains the real GPT across two nodes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kafka import KafkaProducer
+
+from megascale.cli import main
+from megascale.driver.services import JobHandle, pid_alive, port_open
+from megascale.driver.state import JobState, JobStore, status_view
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_yaml(tmp_path: Path, name: str, steps: int, **control) -> str:
+    config = {
+        "name": name,
+        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+        "parallelism": {"dp": 4}, "batch": {"micro": 1, "global": 4},
+        "cluster": {"nodes": 2, "spares": 1},
+        "control": {"heartbeat_s": 0.5, "dead_after_s": 8, "start_timeout_s": 90, "command_timeout_s": 30, **control},
+        "train": {"steps": steps, "run_dir": str(tmp_path / "runs")},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+class Job:
+    """A launched job, seen the way a second shell sees it: through its state file and Redis."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.handle = JobHandle.load(name)
+        self.store = JobStore.from_url(self.handle.redis_url, name)
+
+    def refresh(self) -> JobHandle:
+        self.handle = JobHandle.load(self.name)
+        return self.handle
+
+    def state(self) -> JobState:
+        return self.store.load().state
+
+    def status(self) -> dict:
+        return status_view(self.store.status(), None)
+
+    def in_state(self, state: JobState, **fields):
+        def check():
+            rec = self.store.load()
+            return rec if rec.state == state and all(getattr(rec, k) == v for k, v in fields.items()) else None
+        return check
+
+    def ended(self):
+        handle = self.refresh()
+        return handle.final if handle.final and not pid_alive(handle.supervisor_pid) else None
+
+    def node_pid(self, node: str) -> int:
+        return json.loads(self.store.r.hget(f"megascale:{{{self.name}}}:local", node))["pid"]
+
+    def assert_services_gone(self) -> None:
+        for address in (self.handle.redis_url.rsplit(":", 1)[1], self.handle.kafka.rsplit(":", 1)[1]):
+            assert not port_open(int(address)), f"port {address} still open"
+
+
+def launch(capsys, config: str, name: str) -> Job:
+    assert main(["launch", config]) == 0
+    assert f"launched job {name}" in capsys.readouterr().out
+    return Job(name)
+
+
+def cli(capsys, *argv: str) -> str:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def test_launch_status_pause_resume_survive_driver_kill_stop(tmp_path, capsys, wait):
+    job = launch(capsys, job_yaml(tmp_path, "cp-ops", steps=2000), "cp-ops")
+    wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
+    listing = cli(capsys, "status")
+    assert "cp-ops" in listing and "Running" in listing and "2/2 up" in listing
+    detail = cli(capsys, "status", "cp-ops")
+    assert all(n in detail for n in ("n0", "n1", "n2", "spare", "2 running"))
+
+    assert "pause requested" in cli(capsys, "pause", "cp-ops")
+    wait(job.in_state(JobState.PAUSED, reason="paused by user", waiting_op=""), 30, "the ranks to stop")
+    nodes = {n["node"]: n for n in job.status()["nodes"]}
+    assert nodes["n0"]["phase"] == "idle" and nodes["n1"]["ranks"] == {"stopped": 2}
+
+    assert "resume requested" in cli(capsys, "resume", "cp-ops")
+    wait(job.in_state(JobState.RUNNING, incarnation=2), 30, "incarnation 2 running")
+    step = wait(lambda: job.status().get("step"), 30, "progress in incarnation 2")
+
+    old_driver = job.refresh().driver_pid
+    os.kill(old_driver, signal.SIGKILL)
+    wait(lambda: job.refresh().driver_pid not in (None, old_driver), 30, "the supervisor to restart the driver")
+    wait(lambda: job.status().get("driver", "").endswith(f":{job.handle.driver_pid}"), 30, "the new driver to lead")
+    wait(lambda: (job.status().get("step") or 0) >= step + 5, 30, "training to go on under the new driver")
+    rec = job.store.load()
+    assert (rec.state, rec.incarnation, rec.restarts) == (JobState.RUNNING, 2, 0)  # the ranks never noticed
+
+    assert "job cp-ops stopped: stopped by user" in cli(capsys, "stop", "cp-ops")
+    assert job.refresh().final["state"] == "Stopped"
+    job.assert_services_gone()
+
+
+def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
+    job = launch(capsys, job_yaml(tmp_path, "cp-bus", steps=50), "cp-bus")
+    wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
+    junk = KafkaProducer(bootstrap_servers=job.handle.kafka, enable_idempotence=False)
+    for value in (b"\x00garbage", b'{"v": 1, "kind": "heartbeat", "job": "cp-bus"}', b'{"v": 1, "kind": "ufo"}',
+                  json.dumps({"v": 1, "kind": "heartbeat", "job": "other", "node": "n0"}).encode()):
+        junk.send("cp-bus.heartbeats", key=b"n0", value=value)
+    junk.flush()
+    junk.close()
+    wait(lambda: job.status().get("ignored", 0) >= 4, 20, "the driver to read past the junk")
+
+    old_broker = job.handle.kafka_pid
+    os.kill(old_broker, signal.SIGKILL)
+    killed = time.time()
+    wait(lambda: job.refresh().kafka_pid not in (None, old_broker), 20, "the supervisor to restart the broker")
+
+    def fresh():
+        nodes = [n for n in job.status()["nodes"] if n["role"] != "evicted"]
+        return all((n["last_heartbeat"] or 0) > killed + 0.5 for n in nodes)
+    wait(fresh, 30, "heartbeats from every node through the restarted broker")
+    final = wait(job.ended, 90, "the job to end")
+    assert final["state"] == "Succeeded" and final["restarts"] == 0, final
+    log = Path(job.handle.run_dir, "driver.log").read_text()
+    assert "Recovering" not in log and "dead" not in log  # no node was ever declared dead
+    assert "ignored message cp-bus.heartbeats" in log and "unknown kind 'ufo'" in log
+    assert "was re-created" in log
+
+    out = cli(capsys, "logs", "cp-bus", "--node", "n0")
+    assert "[n0] " in out and "[n0/rank0] === incarnation 1" in out
+    job.assert_services_gone()
+
+
+@pytest.mark.slow
+def test_failed_rank_restarts_dead_node_pauses_then_evict_and_resume(tmp_path, capsys, wait, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "1:3")  # rank 1 fails at step 3 of incarnation 1
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    job = launch(capsys, job_yaml(tmp_path, "cp-fault", steps=60, dead_after_s=4), "cp-fault")
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 90, "the automatic restart")
+    assert rec.restarts == 1 and "injected failure at step 3" in rec.fault["message"]
+
+    os.kill(job.node_pid("n1"), signal.SIGKILL)  # the node dies; its ranks die with it
+    rec = wait(job.in_state(JobState.PAUSED), 30, "the dead node to pause the job")
+    assert "node n1 is dead" in rec.reason and "megascale evict cp-fault n1" in rec.reason
+    wait(lambda: job.store.load().waiting_op == "", 30, "the other ranks to stop")
+    cli(capsys, "resume", "cp-fault")
+    wait(lambda: job.store.load().reason.startswith("cannot resume: node n1 is dead"), 10, "resume to be refused")
+
+    assert "spare n2 takes its place" in cli(capsys, "evict", "cp-fault", "n1")
+    wait(job.in_state(JobState.RUNNING, incarnation=3), 30, "the job to resume with the spare")
+    final = wait(job.ended, 90, "the job to end")
+    assert final["state"] == "Succeeded", final
+    roles = {n["node"]: n["role"] for n in final["nodes"]}
+    assert roles == {"n0": "active", "n1": "evicted", "n2": "active", "n3": "spare"}
+    job.assert_services_gone()
+
+
+@pytest.mark.slow
+def test_run_trains_gpt_across_two_nodes(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEGASCALE_RANK_ENTRY")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "megascale.cli", "run", str(ROOT / "examples/gpt-nodes.yaml"),
+                           "--steps", "4", "--run-dir", str(tmp_path / "runs"), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpt-nodes  Succeeded  step 4/4" in done.stdout
+    handle = JobHandle.load("gpt-nodes")
+    steps = [json.loads(line) for line in Path(handle.run_dir, "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["loss"] > 0 for s in steps)
+    assert handle.final["loss"] == pytest.approx(steps[-1]["loss"])
+    assert {n["node"]: n["ranks"] for n in handle.final["nodes"] if n["role"] == "active"} == {
+        "n0": {"succeeded": 2}, "n1": {"succeeded": 2}}
+    Job.assert_services_gone(type("J", (), {"handle": handle})())
+    print(f"gpt-nodes: 2 nodes x 2 ranks + 1 spare, 4 steps in {time.monotonic() - started:.1f} s")

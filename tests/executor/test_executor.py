@@ -1,0 +1,120 @@
+"""The executor daemon against real Redis and a real tansu broker, with stand-in ranks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import redis
+
+from megascale.config import from_dict
+from megascale.driver.bus import TopicReader
+from megascale.executor.env import DEFAULT_COMM_ENV, comm_env
+from megascale.executor.ranks import classify
+from megascale.messages import Ack, Command, Heartbeat, Metric, acks_key, command_stream, decode, encode, topic
+
+def test_error_lines_are_classified():
+    assert classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"
+    assert classify("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9)") == "nccl_timeout"
+    assert classify("RuntimeError: CUDA error: an illegal memory access was encountered") == "cuda_error"
+    assert classify("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer") == "comm_error"
+    assert classify("node1:1234 [0] NCCL WARN NET/IB : Got completion with error 12") == "comm_error"
+    assert classify("ValueError: bad shape") == "python_exception"
+    assert classify("[rank1]: megascale.data.DataError: data/x.jsonl: input not found") == "python_exception"
+    assert classify("megascale.rendezvous.redis_store.RendezvousTimeout: Timeout after 300 s") == "comm_error"
+    assert classify("step 4 loss 2.31") is None
+    assert classify("  warnings.warn(msg)") is None
+
+
+def test_comm_env_layers_defaults_then_inherited_then_job():
+    env = comm_env({"NCCL_IB_TIMEOUT": "23"}, inherited={"NCCL_IB_RETRY_CNT": "5"})
+    assert env["NCCL_IB_TIMEOUT"] == "23"  # the job's config wins
+    assert "NCCL_IB_RETRY_CNT" not in env  # the operator's environment beats our default
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == DEFAULT_COMM_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+
+
+def test_executor_runs_commands_and_heartbeats(redis_server, broker, tmp_path, wait, monkeypatch):
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    monkeypatch.setenv("FAKE_FAIL", "0:2")  # rank 0 fails at step 2 of incarnation 1
+    r = redis.Redis.from_url(redis_server.url)
+    work = tmp_path / "n0"
+    proc = subprocess.Popen([sys.executable, "-m", "megascale.executor", "--job", "j", "--node", "n0",
+                             "--redis", redis_server.url, "--kafka", broker.bootstrap, "--work-dir", str(work),
+                             "--heartbeat-s", "0.3"], stderr=open(tmp_path / "executor.log", "wb"))
+    reader = TopicReader(broker.bootstrap, topic("j", "heartbeats"))
+    beats: list[Heartbeat] = []
+    seq = 0
+
+    def send(op: str, **args) -> int:
+        nonlocal seq
+        seq += 1
+        r.xadd(command_stream("j", "n0"), {"msg": encode(Command(job="j", node="n0", seq=seq, op=op, args=args))})
+        return seq
+
+    def acked(n: int):
+        raw = r.hget(acks_key("j"), "n0")
+        ack = decode(raw, expect=Ack) if raw else None
+        return ack if ack and ack.seq >= n else None
+
+    def beat(predicate):
+        def check():
+            beats.extend(decode(rec.value, expect=Heartbeat) for rec in reader.poll(100))
+            return next((b for b in reversed(beats) if predicate(b)), None)
+        return check
+
+    def start(incarnation: int, steps: int) -> dict:
+        cfg = from_dict({"parallelism": {"dp": 2}, "batch": {"micro": 1, "global": 2}, "train": {"steps": steps}})
+        return dict(incarnation=incarnation, ranks=[0, 1], world_size=2, config=cfg.to_dict(),
+                    run_dir=str(tmp_path), init_method="redis://unused/j", resume=False)
+
+    try:
+        idle = wait(beat(lambda b: b.phase == "idle"), 30, "an idle heartbeat")
+        assert (idle.job, idle.node, idle.ranks) == ("j", "n0", [])
+        assert idle.metrics.mem_used_bytes > 0
+
+        r.xadd(command_stream("j", "n0"), {"msg": b"{not json"})  # logged and skipped
+        n = send("start", **start(1, 5))
+        assert wait(lambda: acked(n), 30, "start acknowledged").ok
+        failed = wait(beat(lambda b: b.incarnation == 1 and any(x.state == "failed" for x in b.ranks)), 30,
+                      "rank 0 failing")
+        assert failed.ranks[0].exit_code == 1
+        assert any(e.kind == "python_exception" and "injected failure" in e.line for e in failed.errors)
+
+        n = send("start", **start(2, 5))
+        wait(lambda: acked(n), 30, "second start acknowledged")
+        n = send("start", **start(2, 5))  # the same incarnation again: a no-op, acknowledged
+        assert "already started" in wait(lambda: acked(n), 30, "repeat acknowledged").detail
+        done = wait(beat(lambda b: b.incarnation == 2 and [x.state for x in b.ranks] == ["succeeded"] * 2), 30,
+                    "incarnation 2 to succeed")
+        assert done.step == 5 and done.loss == 2.0 and done.errors == []
+
+        n = send("start", **start(3, 1000))
+        wait(beat(lambda b: b.incarnation == 3 and all(x.state == "running" for x in b.ranks)), 30, "ranks running")
+        n = send("stop")
+        assert wait(lambda: acked(n), 30, "stop acknowledged").ok
+        wait(beat(lambda b: b.incarnation == 3 and all(x.state == "stopped" for x in b.ranks)), 10, "ranks stopped")
+
+        n = send("diagnose", checks=["health"], budget_s=30)  # the real `megascale diagnose`, health only
+        wait(beat(lambda b: b.phase == "diagnosing"), 20, "a diagnosing heartbeat")
+        ack = wait(lambda: acked(n), 90, "diagnostics acknowledged")
+        assert ack.ok and json.loads(ack.detail)["passed"] is True, ack.detail[-300:]
+
+        n = send("exit")
+        assert proc.wait(timeout=30) == 0
+        assert acked(n).detail == "exiting"
+        wait(beat(lambda b: b.phase == "exiting"), 10, "a last heartbeat")
+        assert [b.seq for b in beats if b.boot_id == idle.boot_id] == sorted({b.seq for b in beats})
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.close()
+    log = (tmp_path / "executor.log").read_text()
+    assert "ignored malformed command" in log
+
+    metrics = TopicReader(broker.bootstrap, topic("j", "metrics"))
+    try:
+        got = wait(lambda: [decode(m.value, expect=Metric) for m in metrics.poll(200)], 10, "metrics")
+        assert {m.rank for m in got} == {1} and got[0].step == 1
+    finally:
+        metrics.close()

@@ -1,0 +1,85 @@
+"""The wire schema: round trips, and one-line rejection of anything else."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megascale.messages import (
+    SCHEMA_VERSION,
+    Ack,
+    Command,
+    ErrorLine,
+    Event,
+    Heartbeat,
+    MessageError,
+    Metric,
+    RankStatus,
+    decode,
+    encode,
+)
+
+
+def heartbeat(**over) -> Heartbeat:
+    base = dict(job="j", node="n0", host="h", ip="10.0.0.1", boot_id="b1", seq=3, time=1.5, interval_s=5.0,
+                phase="running", incarnation=2, step=7, loss=2.5,
+                ranks=[RankStatus(rank=0, local_rank=0, state="running", pid=11, step=7, loss=2.5)],
+                errors=[ErrorLine(rank=0, kind="oom", line="CUDA out of memory", time=1.0)])
+    return Heartbeat(**{**base, **over})
+
+
+@pytest.mark.parametrize("msg", [
+    heartbeat(),
+    Metric(job="j", node="n0", rank=3, incarnation=1, step=1, loss=1.0, step_time=0.1, tokens_per_s=10.0, time=2.0),
+    Event(job="j", type="state", message="Pending -> Initializing", state="Initializing", detail={"a": 1}),
+    Command(job="j", node="n1", seq=4, op="start", args={"ranks": [2, 3]}),
+    Ack(job="j", node="n1", seq=4, op="start", ok=True, detail="started"),
+])
+def test_round_trip(msg):
+    raw = encode(msg)
+    obj = json.loads(raw)
+    assert obj["v"] == SCHEMA_VERSION and obj["kind"] == msg.kind
+    assert decode(raw) == msg
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    obj = json.loads(encode(heartbeat()))
+    obj["gpu_temperature"] = 71
+    obj["ranks"][0]["nvlink"] = "ok"
+    assert decode(json.dumps(obj)) == heartbeat()
+
+
+def mutate(**changes) -> bytes:
+    obj = json.loads(encode(heartbeat()))
+    for key, value in changes.items():
+        if value is None:
+            del obj[key]
+        else:
+            obj[key] = value
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"\xff\xfe", "not JSON"),
+    (b"hello", "not JSON"),
+    (b"[1, 2]", "a JSON list, not an object"),
+    (b'{"kind": "heartbeat"}', "no schema version 'v'"),
+    (b'{"v": 99, "kind": "heartbeat"}', "schema v99 is newer than this reader's v1"),
+    (b'{"v": 1, "kind": "gossip"}', "unknown kind 'gossip'"),
+    (mutate(node=None), "heartbeat: missing field 'node'"),
+    (mutate(seq="3"), "heartbeat.seq='3': expected int"),
+    (mutate(seq=True), "heartbeat.seq='True': expected int"),
+    (mutate(phase="dancing"), "heartbeat.phase='dancing': not one of idle, running"),
+    (mutate(ranks=[{"rank": 0, "local_rank": 0, "state": "zombie"}]), "heartbeat.ranks[0].state='zombie'"),
+    (mutate(metrics=[]), "heartbeat.metrics: expected an object"),
+])
+def test_malformed_records_raise_one_line(raw, message):
+    with pytest.raises(MessageError) as info:
+        decode(raw)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_expect_rejects_other_kinds():
+    with pytest.raises(MessageError, match="a metric, expected a heartbeat"):
+        decode(encode(Metric(job="j", node="n", rank=0, incarnation=1, step=1, loss=1.0, step_time=1.0,
+                             tokens_per_s=1.0, time=0.0)), expect=Heartbeat)
