@@ -22,7 +22,8 @@ setup(
     description="Production LLM pre-training: 3D parallelism, fault recovery, observability (after MegaScale, NSDI'24)",
     python_requires=">=3.10",
     packages=_packages(),
-    package_data={"megascale.data": ["corpus/*.jsonl", "corpus/*.md", "corpus/*.txt"]},
+    package_data={"megascale.data": ["corpus/*.jsonl", "corpus/*.md", "corpus/*.txt"],
+                  "megascale.driver.dashboard": ["index.html"]},
     package_dir={"megascale": "megascale", **SUBPACKAGES},
     install_requires=[
         "torch>=2.4",  # pinned to the local CPU build by constraints.txt

@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "megascale.data.cli",
     "megascale.diagnostics.cli",
     "megascale.driver.cli",
+    "megascale.driver.metrics.cli",
 ]
 
 

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "data": "megascale.data.bench:run",
     "checkpoint": "megascale.checkpoint.bench:run",
     "heartbeat": "megascale.driver.bench:run",
+    "timers": "megascale.driver.metrics.bench:run",
 }
 
 

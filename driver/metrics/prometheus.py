@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from .stragglers import Finding, StragglerMonitor, slowness
 
@@ -72,8 +72,9 @@ class _Writer:
 
 def render(job: str, status: dict, latest: Iterable[dict] = (), findings: Iterable[Finding] = (),
            scores: Optional[dict[int, float]] = None, ranks_per_node: int = 8, stored: Optional[int] = None,
-           dropped: Optional[int] = None) -> str:
-    """The exposition text: `status` is the driver's status dict, `latest` each rank's newest StepTimings."""
+           dropped: Optional[int] = None, node_names: Sequence[str] = ()) -> str:
+    """The exposition text: `status` is the driver's status dict, `latest` each rank's newest StepTimings;
+    `node_names[k]` names the node of ranks k*ranks_per_node.. (default `node<k>`, as findings do)."""
     w = _Writer()
     w.add("megascale_job_info", 1, job=job, state=status.get("state", "unknown"))
     w.add("megascale_job_step", status.get("step"), job=job)
@@ -84,7 +85,9 @@ def render(job: str, status: dict, latest: Iterable[dict] = (), findings: Iterab
     w.add("megascale_job_ettr_ratio", status.get("ettr"), job=job)
     w.add("megascale_job_mttr_seconds", status.get("mttr_s"), job=job)
     for rec in sorted(latest, key=lambda r: r["rank"]):
-        labels = {"job": job, "rank": rec["rank"], "node": f"node{rec['rank'] // ranks_per_node}"}
+        node = rec["rank"] // ranks_per_node
+        name = node_names[node] if node < len(node_names) else f"node{node}"
+        labels = {"job": job, "rank": rec["rank"], "node": name}
         w.add("megascale_rank_step", rec["step"], **labels)
         w.add("megascale_rank_step_seconds", rec["total"], **labels)
         for segment, seconds in rec["segments"].items():
@@ -129,7 +132,8 @@ class JobMetrics:
     def render(self, status: dict, dropped: Optional[int] = None) -> str:
         with self._lock:
             return render(self.job, status, list(self.latest.values()), self.findings, dict(self.scores),
-                          self.ranks_per_node, stored=self.stored, dropped=dropped)
+                          self.ranks_per_node, stored=self.stored, dropped=dropped,
+                          node_names=list(self.monitor.node_names or ()))
 
 
 def serve(render_text: Callable[[], str], port: int, host: str = "127.0.0.1") -> ThreadingHTTPServer:

@@ -5,9 +5,9 @@
     <root>/job=<job>/status.json                          the driver's latest status dict, for the dashboard
 
 Files are written whole (temporary name, then rename), so a reader never sees half a file; a
-closed step range is compacted into one file. Kafka delivers at least once and a restarted job
-replays steps from its checkpoint, so readers keep one row per (step, rank): the newest
-incarnation, then the newest write.
+closed step range, or one that has gathered 64 files, is compacted into one file. Kafka delivers
+at least once and a restarted job replays steps from its checkpoint, so readers keep one row per
+(step, rank): the newest incarnation, then the newest write.
 """
 from __future__ import annotations
 
@@ -126,12 +126,13 @@ class ParquetStore:
             _write_atomic(part, self._partition_dir(job, int(lo)))
         return table.num_rows
 
-    def compact(self, job: str, before_step: int) -> int:
-        """Merges the files of every step range that ends before `before_step`; returns ranges merged."""
+    def compact(self, job: str, before_step: int, max_files: int = 64) -> int:
+        """Merges the files of every step range that ends before `before_step`, and of any range that
+        has gathered `max_files` (the open one: a flush every few seconds); returns ranges merged."""
         merged = 0
         for _, hi, folder in self._partitions(job):
             files = sorted(folder.glob("part-*.parquet"))
-            if hi >= before_step or len(files) < 2:
+            if len(files) < 2 or (hi >= before_step and len(files) < max_files):
                 continue
             table = dedupe(pa.concat_tables([pq.read_table(f, schema=SCHEMA) for f in files]))
             _write_atomic(table, folder)  # written before the old files go: a reader sees rows twice, never none
@@ -186,15 +187,22 @@ class ParquetStore:
         return to_records(self.read_table(job, first, last))
 
     def step_range(self, job: str) -> Optional[tuple[int, int]]:
-        """(first, last) step stored, read from the outermost step ranges only."""
-        parts = self._partitions(job)
-        if not parts:
+        """(first, last) step stored, from the Parquet footers' statistics (no data is read)."""
+        bounds = []
+        for _, _, folder in self._partitions(job):
+            for f in folder.glob("part-*.parquet"):
+                try:
+                    meta = pq.ParquetFile(f).metadata
+                except FileNotFoundError:
+                    continue  # compacted or retired meanwhile
+                column = meta.schema.names.index("step")
+                for i in range(meta.num_row_groups):
+                    stats = meta.row_group(i).column(column).statistics
+                    if stats is not None and stats.has_min_max:
+                        bounds.append((stats.min, stats.max))
+        if not bounds:
             return None
-        low = self.read_table(job, parts[0][0], parts[0][1])
-        high = low if len(parts) == 1 else self.read_table(job, parts[-1][0], parts[-1][1])
-        if low.num_rows == 0 or high.num_rows == 0:
-            return None
-        return int(low["step"][0].as_py()), int(high["step"][-1].as_py())
+        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
 
     # -- side files ----------------------------------------------------------------------------
 
@@ -304,10 +312,9 @@ class MetricsConsumer(threading.Thread):
         if self._buffer:
             records, self._buffer = self._buffer, []
             self.stored += self.store.write(self.job, records)
-            newest = max(r["step"] for r in records)
-            if newest > self.newest_step:
-                self.newest_step = newest
-                self.store.compact(self.job, before_step=newest - newest % self.store.steps_per_partition)
+            self.newest_step = max(self.newest_step, max(r["step"] for r in records))
+            size = self.store.steps_per_partition
+            self.store.compact(self.job, before_step=self.newest_step // size * size)
             if self.on_records is not None:
                 self.on_records(records)
         self.store.save_offsets(self.job, *reader.positions())
