@@ -117,8 +117,10 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     """One rank's training loop. Every rank appends its step timings to timings-rank<R>.jsonl
     (the dashboard's heatmap); the reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
     from megascale.checkpoint import Checkpointer
+    from megascale.parallel.flight_recorder import FlightRecorder
     from megascale.train import Trainer
 
+    ctx.attach_recorder(FlightRecorder(Path(run_dir) / f"flight-rank{ctx.rank}.bin"))
     trainer = Trainer(cfg, ctx)
     ckpt = cfg.checkpoint
     checkpointer = Checkpointer(cfg, ctx, trainer.optimizer) if ckpt.every or ckpt.resume else None

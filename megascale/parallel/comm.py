@@ -24,18 +24,22 @@ SEQ_DIM = 1
 
 
 @contextmanager
-def blocking(group: Group) -> Iterator[None]:
+def blocking(group: Group, op: str) -> Iterator[None]:
     """A synchronous collective: all of its time is exposed."""
+    slot = group.recorder.begin(op, group.name, group.size) if group.recorder else None
     with group.timer.span(f"comm_{group.kind}"), group.timer.span(f"exposed_{group.kind}"):
         yield
+    if slot is not None:
+        group.recorder.end(slot)
 
 
 class InFlight:
     """An async collective or P2P: in flight from issue to completion; exposed while waited on."""
 
-    def __init__(self, work: Optional[dist.Work], group: Group):
+    def __init__(self, work: Optional[dist.Work], group: Group, op: str, peer: int = -1):
         self.work, self.group = work, group
         group.timer.issued(group.kind)
+        self.slot = group.recorder.begin(op, group.name, group.size, peer) if group.recorder else None
 
     def wait(self) -> None:
         if self.work is None:
@@ -44,12 +48,14 @@ class InFlight:
         self.work.wait()
         self.group.timer.add(f"exposed_{self.group.kind}", time.perf_counter() - blocked)
         self.group.timer.completed(self.group.kind)
+        if self.slot is not None:
+            self.group.recorder.end(self.slot)
         self.work = None
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group.size > 1:
-        with blocking(group):
+        with blocking(group, "all_reduce"):
             dist.all_reduce(x, group=group.pg)
     return x
 
@@ -60,7 +66,7 @@ def all_gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     # Gather along dim 0 (contiguous chunks), then put the sequence dimension back.
     local = x.transpose(0, SEQ_DIM).contiguous()
     out = local.new_empty((group.size * local.shape[0],) + tuple(local.shape[1:]))
-    with blocking(group):
+    with blocking(group, "all_gather"):
         dist.all_gather_single(out, local, group=group.pg)
     return out.transpose(0, SEQ_DIM).contiguous()
 
@@ -70,7 +76,7 @@ def reduce_scatter_seq_(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     full = x.transpose(0, SEQ_DIM).contiguous()
     out = full.new_empty((full.shape[0] // group.size,) + tuple(full.shape[1:]))
-    with blocking(group):
+    with blocking(group, "reduce_scatter"):
         dist.reduce_scatter_single(out, full, group=group.pg)
     return out.transpose(0, SEQ_DIM).contiguous()
 

@@ -95,7 +95,7 @@ class _Channel:
 
     def post_recv(self) -> None:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.pending.append((buf, InFlight(dist.irecv(buf, self.peer, group=self.group.pg), self.group)))
+        self.pending.append((buf, InFlight(dist.irecv(buf, self.peer, group=self.group.pg), self.group, "recv", self.peer)))
 
     def recv(self) -> torch.Tensor:
         buf, work = self.pending.pop(0)
@@ -104,7 +104,7 @@ class _Channel:
 
     def send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
-        work = InFlight(dist.isend(tensor, self.peer, group=self.group.pg), self.group)
+        work = InFlight(dist.isend(tensor, self.peer, group=self.group.pg), self.group, "send", self.peer)
         if self.async_sends:
             self.sends.append((tensor, work))
         else:

@@ -104,7 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         row_max = logits.max(dim=-1).values
         if group.size > 1:
-            with blocking(group):
+            with blocking(group, "all_reduce"):
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.pg)
         shifted = logits - row_max.unsqueeze(-1)
 

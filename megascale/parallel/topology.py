@@ -61,6 +61,8 @@ class Group:
     pg: Any = None
     kind: str = "dp"  # which communication timer its traffic counts towards: tp, pp or dp
     timer: StepTimer = field(default_factory=lambda: StepTimer(enabled=False))
+    name: str = ""  # unique in the job, e.g. "dp:4" (group kind and first member)
+    recorder: Optional["FlightRecorder"] = None  # noqa: F821 - set by ParallelContext.attach_recorder
 
     @property
     def size(self) -> int:
@@ -106,6 +108,15 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.pp.rank == self.pp.size - 1
 
+    @property
+    def groups(self) -> list[Group]:
+        return [self.tp, self.dp, self.pp, self.pp_forward, self.pp_backward, self.embedding]
+
+    def attach_recorder(self, recorder) -> None:
+        """Every communication operation of this rank is recorded from now on (hang localisation)."""
+        for group in self.groups:
+            group.recorder = recorder
+
     def describe(self) -> str:
         return f"rank {self.rank} (tp {self.tp.rank}/{self.tp.size}, pp {self.pp.rank}/{self.pp.size}, dp {self.dp.rank}/{self.dp.size})"
 
@@ -141,7 +152,8 @@ def build_context(layout: Layout, rank: int, device: Optional[torch.device] = No
         if len(members) > 1:
             # Group names must be unique per communicator even when members repeat (pp_forward/pp_backward).
             pg = dist.new_group(members, use_local_synchronization=True, group_desc=f"{name}:{members[0]}")
-        groups[name] = Group(ranks=members, rank=members.index(rank), pg=pg, kind=_TIMER_KIND[name], timer=timer)
+        groups[name] = Group(ranks=members, rank=members.index(rank), pg=pg, kind=_TIMER_KIND[name], timer=timer,
+                             name=f"{name}:{members[0]}")
     return ParallelContext(layout=layout, rank=rank, device=device, sequence_parallel=sequence_parallel,
                            timer=timer, **groups)
 

@@ -23,7 +23,8 @@ class _Pending:
         rows = self.source.shape[0] * group.size if gather else self.source.shape[0] // group.size
         self.out = self.source.new_empty((rows,) + tuple(self.source.shape[1:]))
         collective = dist.all_gather_single if gather else dist.reduce_scatter_single
-        self.work = InFlight(collective(self.out, self.source, group=group.pg, async_op=True), group)
+        self.work = InFlight(collective(self.out, self.source, group=group.pg, async_op=True), group,
+                             "all_gather" if gather else "reduce_scatter")
 
     def result(self) -> torch.Tensor:
         self.work.wait()

@@ -138,7 +138,7 @@ class DistributedOptimizer:
             out.copy_(full)
             return
         work = dist.reduce_scatter_single(out, full, group=self.ctx.dp.pg, async_op=True)
-        self._reductions[b] = InFlight(work, self.ctx.dp)
+        self._reductions[b] = InFlight(work, self.ctx.dp, "reduce_scatter")
 
     def finish_grad_sync(self) -> None:
         """Completes every gradient reduction of this step (after the last backward)."""
@@ -167,7 +167,8 @@ class DistributedOptimizer:
             if self.ctx.dp.size == 1:
                 full.copy_(shard)
                 continue
-            work = InFlight(dist.all_gather_single(full, shard, group=self.ctx.dp.pg, async_op=True), self.ctx.dp)
+            work = InFlight(dist.all_gather_single(full, shard, group=self.ctx.dp.pg, async_op=True), self.ctx.dp,
+                            "all_gather")
             self._gathers[b] = (work, shard)  # the shard must outlive the collective
         if not self.overlap:
             self.wait_for_params()

@@ -50,7 +50,7 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self) -> "EmbeddedRedis":
+    def start(self) -> EmbeddedRedis:
         args = [
             redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--daemonize", "no",
@@ -77,7 +77,8 @@ class EmbeddedRedis:
                 except redis.ConnectionError:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise RuntimeError(f"redis-server on 127.0.0.1:{self.port} not ready after {READY_TIMEOUT_S:.0f} s")
+                        raise RuntimeError(
+                            f"redis-server on 127.0.0.1:{self.port} not ready after {READY_TIMEOUT_S:.0f} s")
                     time.sleep(0.02)
         finally:
             client.close()
@@ -99,12 +100,12 @@ class EmbeddedRedis:
             self.proc.stderr.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def restart(self) -> "EmbeddedRedis":
+    def restart(self) -> EmbeddedRedis:
         """Kill and start again on the same port with no data (a Redis crash-restart)."""
         self.kill()
         return self.start()
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:  # noqa: PYI034 - start() returns self
         return self.start()
 
     def __exit__(self, *exc) -> None:

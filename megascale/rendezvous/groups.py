@@ -11,8 +11,9 @@ used when every rank must call `new_group` for every group.
 
 torch names a `use_local_synchronization=True` group after its ranks *and* how many groups
 the calling process has created so far, so members must have created equally many groups
-before it. Uniform kinds guarantee that; the embedding kinds come last because only first
-and last pipeline stages create them: create any further local-sync groups before these.
+before it. Uniform kinds guarantee that. The embedding kind comes last because only first
+and last pipeline stages create it: create any later local-sync group on every rank alike
+(or before these), or its members will disagree on its name and wait out the timeout.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def create_groups(
         raise RuntimeError("create_groups needs torch.distributed.init_process_group first")
     rank, world = dist.get_rank(), dist.get_world_size()
     if tp * dp * pp != world:
-        raise ValueError(f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp} but world_size is {world}: fix the parallel layout")
+        raise ValueError(
+            f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp} but world_size is {world}: fix the parallel layout")
     eager = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
     if local_sync is None:
         local_sync = not eager

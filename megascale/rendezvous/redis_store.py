@@ -5,7 +5,7 @@ A blocking get is `BRPOPLPUSH key key t`: it pops the element and pushes it stra
 atomically, so the value stays put, the call returns the moment the key exists, and every
 client blocked on the key is woken by the one write. No client ever polls. Writes are small
 Lua scripts, so each one is atomic and one round trip. The braces are a Redis Cluster hash
-tag: one job's keys share a slot, which multi-key scripts need.
+tag, keeping one job's keys in one slot as multi-key scripts would need there.
 
 Incarnations isolate restarts: a restarted job uses a new incarnation, so it can never read
 keys from a previous attempt. A Redis restart (memory lost) is detected on reconnect through
@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import secrets
+import socket
+import struct
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from datetime import timedelta
-from typing import Iterable
 from urllib.parse import parse_qs, urlparse
 
 import redis
@@ -34,9 +37,12 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 # Blocking calls are cut into slices so a silent network partition still surfaces as a socket
-# timeout; a re-issue every few seconds is not polling in any meaningful sense.
+# timeout; a re-issue every few seconds is not polling in any meaningful sense. The timeout is
+# the kernel's (SO_RCVTIMEO): a Python-level socket timeout costs a poll() per read and write.
 BLOCK_SLICE_S = 10.0
 SOCKET_TIMEOUT_S = BLOCK_SLICE_S + 10.0
+# A connection unused this long is checked for a server hang-up before the next command.
+IDLE_CHECK_S = 1.0
 
 _SET_ONE = "redis.call('DEL', k); redis.call('RPUSH', k, v); redis.call('SADD', KEYS[1], k)"
 SCRIPTS = {
@@ -61,10 +67,16 @@ return cur or ARGV[1]""",
     "delete": "redis.call('SREM', KEYS[1], KEYS[2]); return redis.call('DEL', KEYS[2])",
 }
 _SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in SCRIPTS.items()}
+# Skip CLIENT SETINFO on connect (an extra round trip, and an error before Redis 7.2).
+_NO_CLIENT_INFO = ({"driver_info": None} if "driver_info" in inspect.signature(redis.Connection.__init__).parameters
+                   or "driver_info" in inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+                   else {"lib_name": None, "lib_version": None})
 
 
 class RendezvousError(dist.DistStoreError):
     """Redis unreachable, restarted, or too slow: a one-line message naming what to fix."""
+
+    cause = ""  # the underlying client error, when there is one
 
 
 class RendezvousTimeout(RendezvousError):
@@ -75,12 +87,38 @@ class RedisRestarted(redis.ConnectionError):
     """Raised on (re)connect when the server no longer holds this job's epoch key."""
 
 
+INDEX, EPOCH, KEY_PREFIX = "__keys__", "__epoch__", "k:"
+
+
+def namespace(job: str, incarnation: str | int) -> str:
+    """Prefix of every Redis key of one job incarnation; the braces keep them in one Cluster slot."""
+    return f"megascale:{{{job}/{incarnation}}}:"
+
+
 def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _seconds(timeout: timedelta | float | None) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+
+
+def pack(commands: list[tuple]) -> bytes:
+    """RESP-encode commands into one buffer (redis-py's packer is several times slower)."""
+    out = []
+    for args in commands:
+        out.append(b"*%d\r\n" % len(args))
+        for arg in args:
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif isinstance(arg, (int, float)):
+                arg = repr(arg).encode()
+            out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
 
 
 def _first_line(e: BaseException) -> str:
@@ -104,18 +142,20 @@ class RedisStore(dist.Store):
         incarnation: str | int = 0,
         timeout: timedelta = timedelta(seconds=300),
         *,
+        username: str | None = None,
         password: str | None = None,
         db: int = 0,
         connect_timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         self.set_timeout(timeout)
-        self.host, self.port, self.db, self._password = host, port, db, password
+        self.host, self.port, self.db = host, port, db
+        self._username, self._password = username, password
         self.job, self.incarnation = job, str(incarnation)
         self._connect_timeout = connect_timeout
-        self._ns = f"megascale:{{{job}/{self.incarnation}}}:"
-        self._index = self._ns + "__keys__"
-        self._epoch_key = self._ns + "__epoch__"
+        self._ns = namespace(job, self.incarnation)
+        self._index = self._ns + INDEX
+        self._epoch_key = self._ns + EPOCH
         self._epoch: bytes | None = None
         self._local = threading.local()
         self._conns: weakref.WeakSet = weakref.WeakSet()
@@ -125,16 +165,19 @@ class RedisStore(dist.Store):
 
     def _new_connection(self) -> redis.Connection:
         conn = redis.Connection(
-            host=self.host, port=self.port, db=self.db, password=self._password,
-            socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5, socket_keepalive=True,
+            host=self.host, port=self.port, db=self.db, username=self._username, password=self._password,
+            socket_timeout=None, socket_connect_timeout=5, socket_keepalive=True,
             # Retrying silently would hide a restarted server; every failure surfaces instead.
-            retry=Retry(NoBackoff(), 0), lib_name=None, lib_version=None,
-            redis_connect_func=self._on_connect)
+            retry=Retry(NoBackoff(), 0), redis_connect_func=self._on_connect, **_NO_CLIENT_INFO)
         self._conns.add(conn)
         return conn
 
     def _on_connect(self, conn: redis.Connection) -> None:
         """Runs on every (re)connect: adopt the job's epoch once, then insist it is unchanged."""
+        seconds = int(SOCKET_TIMEOUT_S)
+        timeval = struct.pack("ll", seconds, int((SOCKET_TIMEOUT_S - seconds) * 1e6))
+        conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         conn.on_connect()
         conn.send_packed_command(conn.pack_commands([
             ("SETNX", self._epoch_key, secrets.token_hex(8)), ("GET", self._epoch_key)]))
@@ -153,27 +196,50 @@ class RedisStore(dist.Store):
                 self._pipeline("connect", [("PING",)])
                 return
             except RendezvousError as e:
-                if isinstance(e.__context__, RedisRestarted) or time.monotonic() + delay > deadline:
+                if time.monotonic() + delay > deadline:
                     raise RendezvousError(
-                        f"cannot reach Redis at {self.host}:{self.port} within {limit:.0f} s "
-                        f"({e.__context__ and _first_line(e.__context__)}): start Redis or fix the redis:// address"
-                    ) from None
+                        f"cannot reach Redis at {self.host}:{self.port} within {_secs(limit)} "
+                        f"({e.cause}): start Redis or fix the redis:// address") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
+    def _connection(self) -> redis.Connection:
+        """This thread's connection; after a quiet spell, first drop it if the server hung up
+        (an idle timeout or a restart), so the reconnect's epoch check runs before we send."""
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = self._new_connection()
+        elif time.monotonic() - local.used > IDLE_CHECK_S and conn._sock is not None:
+            try:
+                stale = conn.can_read(timeout=0)
+            except (redis.ConnectionError, OSError):
+                stale = True
+            if stale:
+                conn.disconnect()
+        local.used = time.monotonic()
+        return conn
+
     def _pipeline(self, what: str, commands: list[tuple]) -> list:
         """Send `commands` in one write, read every reply; errors come back as one-line messages."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._new_connection()
+        conn = self._connection()
+        packed = [pack(commands)]  # a list: send_packed_command iterates its argument
         try:
-            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            try:
+                conn.send_packed_command(packed, check_health=False)
+            except RedisRestarted:
+                raise
+            except redis.ConnectionError:
+                # Nothing reached the server, so one resend on a fresh connection is safe.
+                conn.disconnect()
+                conn.send_packed_command(packed, check_health=False)
             replies = []
             for _ in commands:
                 try:
                     replies.append(conn.read_response())
                 except redis.ResponseError as e:
                     replies.append(e)
+            self._local.used = time.monotonic()
             return replies
         except RedisRestarted:
             conn.disconnect()
@@ -182,11 +248,16 @@ class RedisStore(dist.Store):
                 f"incarnation {self.incarnation}): its keys are gone; restart the job with a new incarnation"
             ) from None
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            # A reply lost mid-command is not retried: the command may have run (an add twice).
             conn.disconnect()
-            raise RendezvousError(
+            cause = _first_line(e)
+            if "Resource temporarily unavailable" in cause:  # the kernel socket timeout fired
+                cause = f"no reply within {SOCKET_TIMEOUT_S:g} s"
+            error = RendezvousError(
                 f"lost Redis at {self.host}:{self.port} during {what} (job {self.job!r}, "
-                f"incarnation {self.incarnation}): {_first_line(e)}; check the server, then restart the job"
-            ) from e
+                f"incarnation {self.incarnation}): {cause}; check the server, then restart the job")
+            error.cause = cause
+            raise error from None
 
     def _cmd(self, what: str, *args):
         reply = self._pipeline(what, [args])[0]
@@ -203,13 +274,14 @@ class RedisStore(dist.Store):
         return reply
 
     def _k(self, key: str) -> str:
-        return self._ns + "k:" + key
+        return self._ns + KEY_PREFIX + key
 
     def _timeout_error(self, keys: Iterable[str], seconds: float) -> RendezvousTimeout:
         shown = ", ".join(list(keys)[:3])
         return RendezvousTimeout(
-            f"Timeout after {seconds:.3g} s waiting for key(s) [{shown}] (job {self.job!r}, "
-            f"incarnation {self.incarnation}): a rank has not arrived; check every rank started with this job/incarnation")
+            f"Timeout after {_secs(seconds)} waiting for key(s) [{shown}] (job {self.job!r}, "
+            f"incarnation {self.incarnation}): a rank has not arrived; "
+            "check every rank started with this job/incarnation")
 
     # -- torch.distributed.Store API ---------------------------------------------------------
 
@@ -240,6 +312,8 @@ class RedisStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists: one pipelined existence check, then server-side waits."""
+        if not keys:
+            return
         limit = _seconds(self.timeout if timeout is None else timeout)
         deadline = time.monotonic() + limit if limit else None
         # One key: block on it straight away (it returns at once if the key exists).
@@ -250,6 +324,8 @@ class RedisStore(dist.Store):
                 raise self._timeout_error(missing[i:], limit)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        if not keys:
+            return []
         self.wait(keys)
         return self._pipeline("multi_get", [("LINDEX", self._k(k), 0) for k in keys])
 
@@ -267,14 +343,14 @@ class RedisStore(dist.Store):
 
     # torch's C++ trampoline (used by PrefixStore, which init_process_group always wraps
     # around a store) looks these up by their C++ names.
-    def deleteKey(self, key: str) -> bool:  # noqa: N802
+    def deleteKey(self, key: str) -> bool:
         return self.delete_key(key)
 
-    def getNumKeys(self) -> int:  # noqa: N802
+    def getNumKeys(self) -> int:
         return self.num_keys()
 
-    def clone(self) -> "RedisStore":
-        return RedisStore(self.host, self.port, self.job, self.incarnation, self.timeout,
+    def clone(self) -> RedisStore:
+        return RedisStore(self.host, self.port, self.job, self.incarnation, self.timeout, username=self._username,
                           password=self._password, db=self.db, connect_timeout=self._connect_timeout)
 
     # -- helpers -----------------------------------------------------------------------------
@@ -316,7 +392,7 @@ JOIN_KEY, COMPLETE_KEY = "rdzv/joined", "rdzv/complete"
 
 
 def store_from_url(url: str, timeout: timedelta = timedelta(seconds=300)) -> tuple[RedisStore, dict[str, str]]:
-    """A RedisStore for `redis://[:password@]host[:port]/<job>[?incarnation=N]`, plus the query.
+    """A RedisStore for `redis://[[user]:password@]host[:port]/<job>[?incarnation=N]`, plus the query.
 
     The incarnation comes from the query, else $MEGASCALE_INCARNATION, else 0.
     """
@@ -329,7 +405,8 @@ def store_from_url(url: str, timeout: timedelta = timedelta(seconds=300)) -> tup
     connect = query.get("connect_timeout")
     store = RedisStore(
         parsed.hostname or "127.0.0.1", parsed.port or 6379, job, incarnation, timeout,
-        password=parsed.password, connect_timeout=timedelta(seconds=float(connect)) if connect else None)
+        username=parsed.username or None, password=parsed.password,
+        connect_timeout=timedelta(seconds=float(connect)) if connect else None)
     return store, query
 
 
@@ -348,7 +425,7 @@ def join(store: RedisStore, world_size: int, timeout: timedelta | None = None) -
         seconds = _seconds(store.timeout if timeout is None else timeout)
         raise RendezvousError(
             f"only {int(store.add(JOIN_KEY, 0))}/{world_size} ranks joined job {store.job!r} incarnation "
-            f"{store.incarnation} within {seconds:.3g} s: start the missing ranks or fix world_size") from None
+            f"{store.incarnation} within {_secs(seconds)}: start the missing ranks or fix world_size") from None
     return arrived
 
 
