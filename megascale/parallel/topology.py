@@ -150,7 +150,10 @@ def build_context(layout: Layout, rank: int, device: Optional[torch.device] = No
     for name, members in groups_to_create(layout, rank):
         pg = None
         if len(members) > 1:
-            # Group names must be unique per communicator even when members repeat (pp_forward/pp_backward).
+            # Local synchronisation names a group by its members and the number of groups this
+            # process made before, so every rank creates its groups in the same order (this list).
+            # Eager NCCL init (init_process_group(device_id=...)) would need every rank in every
+            # split; we do not pass device_id, so communicators are created lazily per group.
             pg = dist.new_group(members, use_local_synchronization=True, group_desc=f"{name}:{members[0]}")
         groups[name] = Group(ranks=members, rank=members.index(rank), pg=pg, kind=_TIMER_KIND[name], timer=timer,
                              name=f"{name}:{members[0]}")

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from megascale.parallel.topology import Layout, groups_to_create
+
 # Creation order. pp_forward/pp_backward have the PP members but their own communicators, so forward
 # and backward pipeline sends never queue behind each other.
 KINDS = ("tp", "dp", "pp", "pp_forward", "pp_backward", "embedding")
@@ -35,33 +37,21 @@ class GroupSpec(NamedTuple):
 def rank_coords(rank: int, tp: int, dp: int, pp: int) -> tuple[int, int, int]:
     """(tp_rank, dp_rank, pp_rank) of a global rank."""
     _check_layout(tp, dp, pp, rank)
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
-def _global(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
+    return Layout(tp=tp, pp=pp, dp=dp).coords_of(rank)
 
 
 def group_specs(tp: int, dp: int, pp: int, rank: int) -> list[GroupSpec]:
     """The groups `rank` is a member of, in creation order, each tagged with its kind.
 
-    Every rank gets tp, dp, pp, pp_forward, pp_backward; first and last pipeline stages
-    also get `embedding` ({first, last} stage, for tied embeddings). A position-embedding
-    group would be {first stage} alone in this layout: one rank, no communicator needed.
+    The order is the engine's (`megascale.parallel.topology.groups_to_create`); a middle
+    pipeline stage has no embedding group. A position-embedding group would be {first
+    stage} alone in this layout: one rank, no communicator needed.
     """
-    t, d, p = rank_coords(rank, tp, dp, pp)
-    pipeline = [_global(t, d, s, tp, dp) for s in range(pp)]
-    specs = [
-        GroupSpec("tp", [_global(i, d, p, tp, dp) for i in range(tp)]),
-        GroupSpec("dp", [_global(t, i, p, tp, dp) for i in range(dp)]),
-        GroupSpec("pp", pipeline),
-        GroupSpec("pp_forward", list(pipeline)),
-        GroupSpec("pp_backward", list(pipeline)),
-    ]
-    embedding = sorted({pipeline[0], pipeline[-1]})
-    if rank in embedding:
-        specs.append(GroupSpec("embedding", embedding))
-    return specs
+    _check_layout(tp, dp, pp, rank)
+    layout = Layout(tp=tp, pp=pp, dp=dp)
+    ends = layout.pp_members(rank)[0], layout.pp_members(rank)[-1]
+    return [GroupSpec(kind, members) for kind, members in groups_to_create(layout, rank)
+            if kind != "embedding" or rank in ends]
 
 
 def groups_for_rank(tp: int, dp: int, pp: int, rank: int) -> list[list[int]]:
