@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import multiprocessing as mp
 import os
 import tempfile
@@ -22,6 +23,7 @@ from megascale.config import JobConfig
 from megascale.parallel.topology import Layout, ParallelContext, build_context
 
 RankFn = Callable[..., Any]
+log = logging.getLogger("megascale.launch")
 
 
 def _device_for(backend: str, rank: int) -> torch.device:
@@ -114,12 +116,18 @@ def layout_of(cfg: JobConfig) -> Layout:
 
 def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    """One rank's training loop. Every rank appends its step timings to timings-rank<R>.jsonl
-    (the dashboard's heatmap); the reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
+    """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
+    steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
+    reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
     from megascale.checkpoint import Checkpointer
     from megascale.parallel.flight_recorder import FlightRecorder
     from megascale.train import Trainer
 
+    log_file = logging.FileHandler(Path(run_dir) / f"rank-{ctx.rank}.log")
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("megascale").addHandler(log_file)
+    logging.getLogger("megascale").setLevel(logging.INFO)
+    log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
     ctx.attach_recorder(FlightRecorder(Path(run_dir) / f"flight-rank{ctx.rank}.bin"))
     trainer = Trainer(cfg, ctx)
     ckpt = cfg.checkpoint
@@ -139,6 +147,9 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
             history.append(stats)
             timings.write(json.dumps(stats["timings"]) + "\n")
             timings.flush()
+            if stats["step"] % cfg.train.log_every == 0:
+                log.info("step %d loss %.4f grad_norm %.3f lr %.3g %.3fs %.0f tok/s", stats["step"], stats["loss"],
+                         stats["grad_norm"], stats["lr"], stats["step_time"], stats["tokens_per_s"])
             if reporter:
                 metrics.write(json.dumps(stats) + "\n")
                 metrics.flush()
@@ -155,6 +166,8 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         timings.close()
         if metrics:
             metrics.close()
+        logging.getLogger("megascale").removeHandler(log_file)
+        log_file.close()
     return history
 
 
