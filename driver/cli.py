@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         (("--no-wait",), dict(action="store_true", help="return once the request is recorded")))
     add("evict", "take a node out of a job for good; a spare takes its place", _evict, job,
         (("node",), dict(help="node id, e.g. n1")))
+    add("chaos", "inject a fault into a running local job (tests and demos)", _chaos, job,
+        (("kind",), dict(choices=["kill-rank", "kill-node", "hang", "slow", "crash-loop", "corrupt-checkpoint"])),
+        (("--node",), dict(default="n0", help="node id (default n0)")),
+        (("--rank",), dict(type=int, help="global rank (default: the node's first)")),
+        (("--count",), dict(type=int, default=0, help="crash-loop: stop after this many kills (0 = until the job ends)")))
     add("logs", "print a job's logs (driver and nodes)", _logs, job,
         (("--node",), dict(help="only this node's executor and ranks")),
         (("--follow", "-f"), dict(action="store_true", help="keep printing as the logs grow")))
@@ -250,6 +255,23 @@ def _evict(args: argparse.Namespace) -> int:
     spares = [s.node for s in rec.slots("spare")]
     print(f"evict requested: {args.node} leaves job {args.job}"
           + (f"; spare {spares[0]} takes its place" if spares else "; no spare left"))
+    return 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from megascale.config import from_dict
+
+    from .chaos import ChaosError, inject
+
+    handle = _handle(args.job)
+    store = _live_store(handle)
+    rec = store.load()
+    if rec is None or rec.terminal:
+        raise CommandError(f"job {args.job!r} has ended")
+    try:
+        print(inject(store, args.kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint.uri))
+    except ChaosError as e:
+        raise CommandError(str(e)) from None
     return 0
 
 

@@ -9,6 +9,7 @@ state, so a driver killed anywhere resumes correctly from the record.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -20,13 +21,14 @@ from kafka.errors import KafkaError
 
 from megascale.config import ConfigError, JobConfig, from_dict
 from megascale.messages import Event, encode, topic
+from megascale.parallel.flight_recorder import OpRecord, localize_hang
 
 from . import log
 from .backend import Backend, NodeLaunch, make_backend
 from .bus import ensure_topics, make_producer
 from .ingest import HeartbeatIngest
 from .pool import NodePool
-from .recovery import Fault, RecoveryPolicy, detect_faults
+from .recovery import Fault, RecoveryPolicy, detect_faults, group_members, peers_of
 from .state import JobRecord, JobState, JobStatus, JobStore, NodeStatus
 
 TICK_S = 0.25
@@ -45,6 +47,9 @@ class Driver:
         self._halt = False
         self.started = time.monotonic()
         self._born: dict[str, float] = {}  # nodes this driver started, and when
+        self._last_progress: tuple[tuple, float] = ((0, None), time.time())  # (incarnation, step), when it changed
+        self._step_times: list[float] = []
+        self._final_step: Optional[int] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -187,6 +192,10 @@ class Driver:
 
     def _running(self, rec: JobRecord, desired: str) -> None:
         faults = self._faults(rec)
+        self._track_progress(rec)
+        hang = self._hang(rec)
+        if not faults and hang:
+            faults = [hang]
         if faults:
             self._fault(rec, faults[0])
         elif desired == "paused":
@@ -196,30 +205,140 @@ class Driver:
             self._move(rec, JobState.SUCCEEDED, f"trained to step {step}")
 
     def _recovering(self, rec: JobRecord, desired: str) -> None:
+        """Localise (hangs) -> stop every rank -> self-check suspects and their peers -> decide."""
         fault = Fault(**rec.fault) if rec.fault else Fault("unknown", None, "unknown fault")
+        ctl = self.cfg.control
         if not rec.waiting_op:
-            rec.waiting_op, rec.waiting_since = "stop", time.time()
-        self._send_all(rec, "stop", lambda slot: {"incarnation": rec.incarnation},
-                       skip=lambda slot: self._silence(slot.node) > self.cfg.control.dead_after_s)
-        done, _, missing = self._acks(rec)
-        timed_out = time.time() - rec.waiting_since > self.cfg.control.command_timeout_s
-        silent = [s.node for s in rec.slots("active") if self._silence(s.node) > self.cfg.control.dead_after_s]
-        if not done and not timed_out and set(missing) - set(silent):
-            return  # live nodes still stopping their ranks
-        dead = sorted(set(silent) | (set(missing) if timed_out else set()))
-        for node in dead:
-            slot = rec.slot(node)
-            slot.dead = slot.dead or ("no heartbeat" if node in silent else "no acknowledgement")
-        decision, reason = self.policy.decide(rec, fault, dead, self.cfg)
-        self._event("fault", f"decision: {decision}: {reason}", rec, node=fault.node, decision=decision)
+            rec.waiting_op, rec.waiting_since = ("flight" if fault.kind == "hang" else "stop"), time.time()
+        silent = [s.node for s in rec.slots("active") if self._silence(s.node) > ctl.dead_after_s]
+        if rec.waiting_op == "flight":
+            self._send_all(rec, "flight", lambda slot: {"last": 64}, skip=lambda slot: slot.node in silent)
+            done, _, missing = self._acks(rec)
+            if not done and time.time() - rec.waiting_since <= ctl.command_timeout_s and set(missing) - set(silent):
+                return
+            fault = self._localize(rec, fault)
+            self._next_phase(rec, "stop")
+        if rec.waiting_op == "stop":
+            self._send_all(rec, "stop", lambda slot: {"incarnation": rec.incarnation}, skip=lambda slot: slot.node in silent)
+            done, _, missing = self._acks(rec)
+            timed_out = time.time() - rec.waiting_since > ctl.command_timeout_s
+            if not done and not timed_out and set(missing) - set(silent):
+                return  # live nodes still stopping their ranks
+            for node in sorted(set(silent) | (set(missing) if timed_out else set())):
+                slot = rec.slot(node)
+                slot.dead = slot.dead or ("no heartbeat" if node in silent else "no acknowledgement")
+            targets = self._selfcheck_targets(rec, fault)
+            if not targets:
+                self._decide(rec, fault)
+                return
+            rec.suspects, rec.bad = targets, {}
+            self._event("info", f"self-check of {', '.join(targets)} ({ctl.selfcheck_checks})", rec, nodes=targets)
+            self._next_phase(rec, "diagnose")
+        if rec.waiting_op == "diagnose":
+            self._send_all(rec, "diagnose", self._diagnose_args,
+                           skip=lambda slot: slot.node not in rec.suspects or slot.node in silent or bool(slot.dead))
+            done, failed, missing = self._acks(rec)
+            if not done and time.time() - rec.waiting_since <= ctl.selfcheck_budget_s + ctl.command_timeout_s \
+                    and set(missing) - set(silent):
+                return
+            for node, detail in failed.items():
+                why = _selfcheck_failure(detail)
+                if why is None:  # the suite itself could not run: not the node's fault, keep it
+                    self._event("info", f"self-check on {node} could not run: {detail[:200]}", rec, node=node)
+                    continue
+                crashed = fault.kind in ("rank_failed", "rank_error") and node == fault.node
+                if crashed and ctl.crashed_selfcheck == "retry" and node not in rec.rechecked:
+                    rec.rechecked.append(node)
+                    rec.waiting.pop(node, None)  # sent again on the next pass
+                    self._event("info", f"self-check failed on {node} ({why}); checking once more", rec, node=node)
+                    return
+                rec.bad[node] = f"self-check failed: {why}"
+            for node in missing:
+                rec.slot(node).dead = rec.slot(node).dead or "no self-check result"
+            for node in sorted(set(rec.suspects) - set(rec.bad) - set(missing)):
+                self._event("node", f"{node} passed its self-check: kept", rec, node=node)
+            self._decide(rec, fault)
+
+    def _next_phase(self, rec: JobRecord, op: str) -> None:
+        rec.waiting_op, rec.waiting, rec.waiting_since = op, {}, time.time()
+        self.store.save(rec)
+
+    def _diagnose_args(self, slot) -> dict:
+        checks = [c.strip() for c in self.cfg.control.selfcheck_checks.split(",") if c.strip()]
+        return {"budget_s": self.cfg.control.selfcheck_budget_s, "checks": checks,
+                "ranks_per_node": self.cfg.ranks_per_node, "inject": self.store.injection(slot.node)}
+
+    def _selfcheck_targets(self, rec: JobRecord, fault: Fault) -> list[str]:
+        """Live suspects and the nodes sharing a communication group with them (MegaScale §4.3)."""
+        ctl = self.cfg.control
+        if not (ctl.auto_recover and ctl.selfcheck) or fault.kind == "evicted":
+            return []
+        suspects = set(rec.suspects) or ({fault.node} if fault.node else {s.node for s in rec.slots("active")})
+        rpn, p = self.cfg.ranks_per_node, self.cfg.parallelism
+        index = {s.index: s.node for s in rec.slots("active")}
+        ranks = {r for s in rec.slots("active") if s.node in suspects for r in range(s.index * rpn, (s.index + 1) * rpn)}
+        peers = {index.get(r // rpn) for r in peers_of(ranks, group_members(p.tp, p.pp, p.dp))}
+        return sorted(n for n in (suspects | peers) - {None}
+                      if not rec.slot(n).dead and self._silence(n) <= ctl.dead_after_s)  # type: ignore[arg-type]
+
+    def _localize(self, rec: JobRecord, fault: Fault) -> Fault:
+        """Reads every rank's flight recorder (through the executors) and names the rank(s) the others wait for."""
+        acks, records = self.store.acks(), {}
+        for node, seq in rec.waiting.items():
+            ack = acks.get(node)
+            if ack is None or ack.seq != seq or not ack.ok:
+                continue
+            for rank, ops in json.loads(ack.detail or "{}").items():
+                if isinstance(ops, list):
+                    records[int(rank)] = [OpRecord(**op) for op in ops]
+        p, rpn = self.cfg.parallelism, self.cfg.ranks_per_node
+        report = localize_hang(records, group_members(p.tp, p.pp, p.dp))
+        index = {s.index: s.node for s in rec.slots("active")}
+        nodes = sorted({index[r // rpn] for r in report.suspects if r // rpn in index})
+        waiting = ", ".join(f"rank {r}: {w}" for r, w in sorted(report.waiting.items())[:4])
+        if nodes:
+            message = f"hang localised to {', '.join(nodes)}: {report.reason}" + (f" ({waiting})" if waiting else "")
+            fault = Fault("hang", nodes[0], f"{fault.message}; {message}", {**fault.detail, "suspect_ranks": report.suspects})
+            rec.fault = dataclasses.asdict(fault)
+            if rec.recovery is not None:
+                rec.recovery["node"] = nodes[0]
+        else:
+            message = f"hang not localised: {report.reason}; checking every node"
+        rec.suspects = nodes
+        self._event("fault", message, rec, node=nodes[0] if nodes else None, suspect_ranks=report.suspects,
+                    suspect_nodes=nodes)
+        return fault
+
+    def _decide(self, rec: JobRecord, fault: Fault) -> None:
+        dead = sorted(s.node for s in rec.slots("active") if s.dead)
+        decision, reason = self.policy.decide(rec, fault, dead, self.cfg, dict(rec.bad))
+        self._event("fault", f"decision: {decision}: {reason}", rec, node=fault.node, decision=decision,
+                    dead=dead, failed_selfcheck=rec.bad)
+        if rec.recovery is not None:
+            rec.recovery["diagnosed"] = time.time()
         if decision == "restart":
+            if self.cfg.control.auto_recover:
+                for node in sorted(set(dead) | set(rec.bad)):
+                    self._evict(rec, node, rec.bad.get(node) or f"dead ({rec.slot(node).dead})")
             rec.restarts += 0 if fault.kind == "evicted" else 1
-            self._move(rec, JobState.INITIALIZING, reason)
+            rec.suspects, rec.bad, rec.rechecked = [], {}, []
+            if self.pool.missing(rec):
+                self._move(rec, JobState.PAUSED, f"waiting for capacity: {self.pool.missing(rec)} node(s) short "
+                           f"and no spare left; resumes when a spare reports (or `megascale stop {self.job}`)")
+            else:
+                self._move(rec, JobState.INITIALIZING, reason)
         elif decision == "pause":
             self.store.set_desired("paused")
             self._move(rec, JobState.PAUSED, reason)
         else:
             self._move(rec, JobState.FAILED, reason)
+
+    def _evict(self, rec: JobRecord, node: str, why: str) -> None:
+        spare = self.pool.evict(rec, node)
+        self._ensure_nodes(rec)  # a new spare takes the place of the one used
+        self._event("node", f"evicted {node} ({why}); " + (f"{spare.node} takes its place" if spare else "no spare left"),
+                    rec, node=node, replacement=spare.node if spare else None)
+        self.store.save(rec)
 
     def _paused(self, rec: JobRecord, desired: str) -> None:
         if rec.waiting_op:
@@ -231,8 +350,12 @@ class Driver:
             return
         if desired != "running":
             return
-        self.pool.refill_position(rec)
         dead = [s.node for s in rec.slots("active") if s.dead or self._silence(s.node) > self.cfg.control.dead_after_s]
+        if self.cfg.control.auto_recover:
+            for node in dead:
+                self._evict(rec, node, f"dead ({rec.slot(node).dead or 'no heartbeat'})")
+            dead = []
+        self.pool.refill_position(rec)
         if dead:
             reason = (f"cannot resume: node {dead[0]} is dead; `megascale evict {self.job} {dead[0]}` "
                       f"replaces it with a spare")
@@ -252,9 +375,79 @@ class Driver:
         rec.waiting_op, rec.waiting_since = "stop", time.time()  # `_paused` stops the ranks
 
     def _fault(self, rec: JobRecord, fault: Fault) -> None:
+        now = time.time()
+        occurred = self._occurred(rec, fault, now)
+        rec.recovery = {"kind": fault.kind, "node": fault.node, "occurred": occurred, "detected": now,
+                        "step": self._progress(rec).get("step") or self._last_progress[0][1] or 0, "incarnation": rec.incarnation}
+        fault.detail = {**fault.detail, "detection_s": round(now - occurred, 2)}
+        rec.suspects, rec.bad, rec.rechecked = [], {}, []
         rec.fault = dataclasses.asdict(fault)
         self._event("fault", fault.message, rec, node=fault.node, kind=fault.kind, **fault.detail)
         self._move(rec, JobState.RECOVERING, fault.message)
+
+    # -- progress, hangs and recovery timings ---------------------------------------------
+
+    def _track_progress(self, rec: JobRecord) -> None:
+        """Moves the hang clock and finishes the timings of a recovery once training caught up."""
+        progress = self._progress(rec)
+        step, now = progress.get("step"), time.time()
+        key = (rec.incarnation, step)
+        if key != self._last_progress[0]:
+            self._last_progress = (key, now)
+            if step is not None:
+                self._step_times.append(now)
+        st = progress.get("step_time")
+        if st and st > 0:
+            rec.ideal_step_s = min(st, rec.ideal_step_s or st)  # the fastest step seen is the ideal one
+        r = rec.recovery
+        if r is None or step is None or r.get("incarnation") == rec.incarnation:
+            return
+        if "resumed" not in r:
+            r["resumed"], r["restored_step"] = now, max(0, step - 1)
+            r["steps_lost"] = max(0, r["step"] - r["restored_step"])
+        if step >= r["step"]:
+            r["caught_up"] = now
+            t = {k: round(v, 2) for k, v in {
+                "detection_s": r["detected"] - r["occurred"], "diagnosis_s": r.get("diagnosed", r["detected"]) - r["detected"],
+                "restart_s": r["resumed"] - r.get("diagnosed", r["detected"]), "catchup_s": now - r["resumed"],
+                "total_s": now - r["occurred"]}.items()}
+            done = {"kind": r["kind"], "node": r["node"], "step": r["step"], "restored_step": r["restored_step"],
+                    "steps_lost": r["steps_lost"], **t}
+            rec.recoveries.append(done)
+            rec.recovery = None
+            self._event("info", f"recovered from {done['kind']} in {t['total_s']:.1f} s (detect {t['detection_s']:.1f}, "
+                        f"diagnose {t['diagnosis_s']:.1f}, restart {t['restart_s']:.1f}, catch up {t['catchup_s']:.1f}: "
+                        f"{done['steps_lost']} steps replayed)", rec, node=r["node"],
+                        **{k: v for k, v in done.items() if k != "node"})
+
+    def _hang(self, rec: JobRecord) -> Optional[Fault]:
+        """Heartbeats arrive, but the step has not moved for control.hang_after_s."""
+        after = self.cfg.control.hang_after_s
+        (_, step), since = self._last_progress
+        quiet = time.time() - max(since, rec.entered)
+        if not after or quiet <= after:
+            return None
+        return Fault("hang", None, f"no training progress for {quiet:.0f} s after step {step or 0} "
+                     f"while every node heartbeats", {"step": step})
+
+    def _occurred(self, rec: JobRecord, fault: Fault, now: float) -> float:
+        """Best estimate of when the fault happened: an injected one's own record, else the evidence."""
+        chaos = self.store.last_chaos()
+        if chaos and now - 300 < chaos["time"] <= now and chaos["time"] > rec.entered - 1:
+            return chaos["time"]
+        if fault.kind == "node_dead":
+            return now - self._silence(fault.node or "")
+        if fault.kind == "hang":
+            return self._last_progress[1]
+        return now
+
+    def _ettr(self, rec: JobRecord) -> Optional[float]:
+        """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time."""
+        step = (self._progress(rec).get("step") if not rec.terminal else None) or self._final_step
+        if not step or not rec.ideal_step_s:
+            return None
+        self._final_step = step
+        return round(min(1.0, step * rec.ideal_step_s / max(1e-9, time.time() - rec.created)), 4)
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -392,7 +585,7 @@ class Driver:
             hb = view.hb
             if hb.incarnation == rec.incarnation and hb.step is not None and hb.step >= best.get("step", -1):
                 if hb.loss is not None or "loss" not in best:
-                    best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s}
+                    best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s, "step_time": hb.step_time}
         return best
 
     def _status(self, rec: JobRecord) -> JobStatus:
@@ -412,4 +605,16 @@ class Driver:
                          restarts=rec.restarts, total_steps=self.cfg.train.steps, step=progress.get("step"),
                          loss=progress.get("loss"), tokens_per_s=progress.get("tokens_per_s"), nodes=nodes,
                          driver=self.holder, updated=time.time(), heartbeats=self.ingest.processed,
-                         ignored=sum(self.ingest.ignored.values()))
+                         ignored=sum(self.ingest.ignored.values()), ettr=self._ettr(rec), recoveries=rec.recoveries,
+                         mttr_s=round(sum(r["total_s"] for r in rec.recoveries) / len(rec.recoveries), 2)
+                         if rec.recoveries else None)
+
+
+def _selfcheck_failure(detail: str) -> Optional[str]:
+    """The failed checks named by a diagnose ack's JSON report; None if the suite could not run at all."""
+    try:
+        report = json.loads(detail)
+    except ValueError:
+        return None
+    failed = sorted({f for n in report.get("nodes", []) for f in n.get("failed", [])}) if isinstance(report, dict) else []
+    return ", ".join(failed) or "failed"

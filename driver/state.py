@@ -85,6 +85,12 @@ class JobRecord:
     fault: Optional[dict] = None
     cleaned: bool = False  # terminal state's nodes have been stopped
     created: float = field(default_factory=time.time)
+    suspects: list[str] = field(default_factory=list)  # nodes the current recovery self-checks
+    bad: dict[str, str] = field(default_factory=dict)  # node -> why its self-check failed (current recovery)
+    rechecked: list[str] = field(default_factory=list)  # nodes given their one retry (control.crashed_selfcheck)
+    recovery: Optional[dict] = None  # timings of the recovery in progress (see recovery.md: MTTR)
+    recoveries: list[dict] = field(default_factory=list)  # finished ones
+    ideal_step_s: Optional[float] = None  # fastest typical step seen, for ETTR
 
     def move(self, state: JobState, reason: str = "") -> JobState:
         """Enters `state`; returns the previous one. Refuses transitions the machine does not have."""
@@ -147,6 +153,10 @@ class JobStatus:
     updated: float = 0.0
     heartbeats: int = 0  # heartbeats ingested by this driver
     ignored: int = 0  # records it dropped as malformed or foreign
+    ettr: Optional[float] = None  # effective training time ratio, 0-1
+    mttr_s: Optional[float] = None  # mean time to recovery over finished recoveries
+    recoveries: list[dict] = field(default_factory=list)
+    stragglers: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobStatus":
@@ -168,6 +178,7 @@ class JobStore:
         self.k_record, self.k_desired, self.k_evict = ns + "record", ns + "desired", ns + "evict"
         self.k_status, self.k_lease, self.k_offsets = ns + "status", ns + "driver", ns + "offsets"
         self.k_seq = ns + "cmdseq"
+        self.k_chaos, self.k_inject = ns + "chaos", ns + "inject"
 
     @classmethod
     def from_url(cls, url: str, job: str, timeout_s: float = 5.0) -> "JobStore":
@@ -188,7 +199,7 @@ class JobStore:
         if existing and not existing.terminal:
             return existing, False
         pipe = self.r.pipeline()
-        pipe.delete(self.k_desired, self.k_evict, self.k_status, self.k_offsets)
+        pipe.delete(self.k_desired, self.k_evict, self.k_status, self.k_offsets, self.k_chaos, self.k_inject)
         pipe.set(self.k_record, record.to_json())
         pipe.execute()
         return record, True
@@ -210,6 +221,22 @@ class JobStore:
 
     def done_evict(self, node: str) -> None:
         self.r.srem(self.k_evict, node)
+
+    # -- chaos (tests, demos): what was injected when, and self-check faults per node -------
+
+    def record_chaos(self, kind: str, node: str, detail: Optional[dict] = None) -> None:
+        self.r.rpush(self.k_chaos, json.dumps({"kind": kind, "node": node, "time": time.time(), **(detail or {})}))
+
+    def last_chaos(self) -> Optional[dict]:
+        raw = self.r.lindex(self.k_chaos, -1)
+        return json.loads(raw) if raw else None
+
+    def set_injection(self, node: str, faults: dict) -> None:
+        self.r.hset(self.k_inject, node, json.dumps(faults))
+
+    def injection(self, node: str) -> dict:
+        raw = self.r.hget(self.k_inject, node)
+        return json.loads(raw) if raw else {}
 
     # -- what `status` shows, and the ingestion's resume point -------------------------------
 

@@ -5,6 +5,7 @@ cadence (at most `POLL_S` between looks at the ranks) bounds how stale a heartbe
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -43,6 +44,7 @@ class Executor:
         self.host, self.ip = identity()
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.group: Optional[RankGroup] = None
+        self.run_dir: Optional[Path] = None  # the job's, where ranks write their flight recorders
         self.phase = "idle"
         self.seq = 0
         self.acked = 0
@@ -131,7 +133,7 @@ class Executor:
     def _execute(self, cmd: Command) -> None:
         log.info("command %d: %s %s", cmd.seq, cmd.op, _brief(cmd.args))
         handler = {"start": self._start, "stop": self._stop_ranks, "diagnose": self._diagnose,
-                   "exit": self._exit}.get(cmd.op)
+                   "flight": self._flight, "exit": self._exit}.get(cmd.op)
         try:
             ok, detail = handler(cmd.args) if handler else (False, f"unknown op {cmd.op!r}")
         except Exception as e:  # a command that cannot run is reported to the driver, not fatal here
@@ -163,6 +165,7 @@ class Executor:
                         config=config, run_dir=args["run_dir"], init_method=args["init_method"],
                         resume=bool(args.get("resume")))
         self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env)
+        self.run_dir = Path(args["run_dir"])
         self.phase = "running"
         return True, f"started ranks {args['ranks']} of incarnation {incarnation}"
 
@@ -183,6 +186,12 @@ class Executor:
                 "--budget-s", str(budget)]
         if args.get("checks"):
             argv += ["--checks", ",".join(args["checks"])]
+        if args.get("ranks_per_node"):
+            argv += ["--ranks-per-node", str(args["ranks_per_node"])]
+        # Injected faults (chaos tests) reach the suite only where this node allows them.
+        if os.environ.get("MEGASCALE_DIAG_ALLOW_FAULTS") == "1":
+            for key, value in (args.get("inject") or {}).items():
+                argv += ["--inject", f"{self.node}:{key}={value}"]
         out_path = self.work_dir / "diagnose.json"
         with open(out_path, "w") as out, open(self.work_dir / "diagnose.log", "a") as err:
             proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
@@ -199,6 +208,20 @@ class Executor:
             lines = (self.work_dir / "diagnose.log").read_text(errors="replace").strip().splitlines()
             return False, lines[-1] if lines else f"diagnostics exited with code {proc.returncode}"
         return proc.returncode == 0, out_path.read_text().strip()
+
+    def _flight(self, args: dict) -> tuple[bool, str]:
+        """This node's ranks' flight recorders (readable while a rank hangs), newest `last` records each."""
+        from megascale.parallel.flight_recorder import read_records
+
+        if self.group is None or self.run_dir is None:
+            return True, json.dumps({})
+        last, out = int(args.get("last", 64)), {}
+        for p in self.group.procs:
+            try:
+                out[str(p.rank)] = [dataclasses.asdict(r) for r in read_records(self.run_dir / f"flight-rank{p.rank}.bin")[-last:]]
+            except (OSError, ValueError) as e:  # no recorder (stand-in rank) or half-written: say so, keep the rest
+                out[str(p.rank)] = {"error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+        return True, json.dumps(out)
 
     def _exit(self, args: dict) -> tuple[bool, str]:
         self._stop = True

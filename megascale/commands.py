@@ -15,6 +15,7 @@ BENCHMARKS = {
     "checkpoint": "megascale.checkpoint.bench:run",
     "heartbeat": "megascale.driver.bench:run",
     "timers": "megascale.driver.metrics.bench:run",
+    "recovery": "megascale.driver.bench_recovery:run",
 }
 
 

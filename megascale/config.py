@@ -128,10 +128,18 @@ class ClusterConfig:
 class ControlConfig:
     """Timings of the control plane (`megascale run`): heartbeats, failure detection, restarts."""
     heartbeat_s: float = 5.0
-    dead_after_s: float = 30.0  # a node silent this long is declared dead
+    dead_after_s: float = 15.0  # a node silent this long is declared dead (3 default heartbeat intervals)
     max_restarts: int = 3  # automatic rank restarts after a rank fails, before the job fails
     start_timeout_s: float = 120.0  # for nodes to report in and ranks to start
     command_timeout_s: float = 60.0  # for an executor to acknowledge a command
+    auto_recover: bool = True  # diagnose, evict and replace failed nodes by itself; False = a dead node pauses the job
+    hang_after_s: float = 120.0  # heartbeats arrive but the step has not advanced this long: a hang (0 = off)
+    selfcheck: bool = True  # run the self-check suite on suspects and their group peers before restarting
+    selfcheck_checks: str = "gemm"  # comma-separated `megascale diagnose --checks`
+    selfcheck_budget_s: float = 30.0  # per node
+    crashed_selfcheck: Literal["evict", "retry"] = "evict"  # a crashed rank's node failing its check: evict, or check once more
+    evict_stragglers: bool = False  # a rank the straggler policy names is a fault (its node gets checked)
+    prometheus_port: int = 0  # the driver serves /metrics here; 0 = a free port, written to the job state file; -1 = off
 
 
 @dataclass
@@ -339,6 +347,11 @@ def _validate_cluster(cfg: JobConfig) -> None:
         _positive(f"control.{name}", getattr(ctl, name))
     if ctl.dead_after_s < 2 * ctl.heartbeat_s:
         raise ConfigError(f"control.dead_after_s={ctl.dead_after_s}: must be at least twice control.heartbeat_s={ctl.heartbeat_s}")
+    if ctl.hang_after_s < 0:
+        raise ConfigError(f"control.hang_after_s={ctl.hang_after_s}: must be >= 0 (0 turns hang detection off)")
+    _positive("control.selfcheck_budget_s", ctl.selfcheck_budget_s)
+    if ctl.prometheus_port < -1 or ctl.prometheus_port > 65535:
+        raise ConfigError(f"control.prometheus_port={ctl.prometheus_port}: must be -1 (off), 0 (any free port) or a port")
     if ctl.max_restarts < 0:
         raise ConfigError(f"control.max_restarts={ctl.max_restarts}: must be >= 0")
     _positive("comm.timeout_s", cfg.comm.timeout_s)

@@ -153,7 +153,7 @@ def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
 def test_failed_rank_restarts_dead_node_pauses_then_evict_and_resume(tmp_path, capsys, wait, monkeypatch):
     monkeypatch.setenv("FAKE_FAIL", "1:3")  # rank 1 fails at step 3 of incarnation 1
     monkeypatch.setenv("FAKE_STEP_S", "0.1")
-    job = launch(capsys, job_yaml(tmp_path, "cp-fault", steps=60, dead_after_s=4), "cp-fault")
+    job = launch(capsys, job_yaml(tmp_path, "cp-fault", steps=60, dead_after_s=4, auto_recover=False), "cp-fault")
     rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 90, "the automatic restart")
     assert rec.restarts == 1 and "injected failure at step 3" in rec.fault["message"]
 

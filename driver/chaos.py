@@ -1,0 +1,118 @@
+"""`megascale chaos JOB KIND --node N`: inject a fault into a running local job (tests, demos, bench).
+
+Every injection is recorded in the job's Redis with its time, so the driver can measure detection
+latency from the real moment of the fault. Local backend only: it signals processes by pid.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from .state import JobState, JobStore
+
+KINDS = ("kill-rank", "kill-node", "hang", "slow", "crash-loop", "corrupt-checkpoint")
+SLOW_SELFCHECK = {"MEGASCALE_DIAG_SLOW_GEMM": "1:0.2"}  # the node's second device computes at 0.2x
+
+
+class ChaosError(Exception):
+    """One line for the user."""
+
+
+def executor_pid(store: JobStore, node: str) -> int:
+    raw = store.r.hget(f"megascale:{{{store.job}}}:local", node)
+    if not raw:
+        raise ChaosError(f"job {store.job} has no local node {node!r}")
+    return json.loads(raw)["pid"]
+
+
+def rank_procs(store: JobStore, node: str) -> list[psutil.Process]:
+    """The node's rank processes (children of its executor running a rank spec), by rank order."""
+    try:
+        children = psutil.Process(executor_pid(store, node)).children()
+    except psutil.Error:
+        raise ChaosError(f"node {node} is not running") from None
+    ranks = []
+    for child in children:
+        try:
+            spec = next((a for a in child.cmdline() if a.endswith(".json") and "/incarnation-" in a), None)
+        except psutil.Error:
+            continue
+        if spec:
+            ranks.append((int(Path(spec).stem[4:]), child))
+    return [p for _, p in sorted(ranks, key=lambda t: t[0])]
+
+
+def pick_rank(store: JobStore, node: str, rank: Optional[int]) -> psutil.Process:
+    procs = rank_procs(store, node)
+    for p in procs:
+        if rank is None or f"rank{rank}.json" in " ".join(p.cmdline()):
+            return p
+    raise ChaosError(f"node {node} has no running rank{'' if rank is None else f' {rank}'}")
+
+
+def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, count: int = 0,
+           checkpoint_uri: Optional[str] = None, timeout_s: float = 300.0) -> str:
+    """Does it; returns one line saying what was done."""
+    if kind == "kill-rank":
+        p = pick_rank(store, node, rank)
+        store.record_chaos(kind, node, {"pid": p.pid})
+        p.send_signal(signal.SIGKILL)
+        return f"killed rank process {p.pid} on {node}"
+    if kind == "kill-node":
+        pid = executor_pid(store, node)
+        store.record_chaos(kind, node, {"pid": pid})
+        os.kill(pid, signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
+        return f"killed executor {pid} of {node}"
+    if kind == "hang":
+        p = pick_rank(store, node, rank)
+        store.record_chaos(kind, node, {"pid": p.pid})
+        p.send_signal(signal.SIGSTOP)
+        return f"stopped (SIGSTOP) rank process {p.pid} on {node}"
+    if kind == "slow":
+        store.set_injection(node, SLOW_SELFCHECK)
+        return f"{node} now fails its self-check's GEMM test (needs MEGASCALE_DIAG_ALLOW_FAULTS=1 on the node)"
+    if kind == "crash-loop":
+        return _crash_loop(store, node, count, timeout_s)
+    if kind == "corrupt-checkpoint":
+        return _corrupt(checkpoint_uri, store)
+    raise ChaosError(f"unknown chaos kind {kind!r} (known: {', '.join(KINDS)})")
+
+
+def _crash_loop(store: JobStore, node: str, count: int, timeout_s: float) -> str:
+    """Kills a rank of every new incarnation once it runs, until the job ends or `count` kills."""
+    killed, seen, deadline = 0, 0, time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (count <= 0 or killed < count):
+        rec = store.load()
+        if rec is None or rec.terminal:
+            break
+        if rec.state == JobState.RUNNING and rec.incarnation > seen:
+            try:
+                inject(store, "kill-rank", node)
+                killed, seen = killed + 1, rec.incarnation
+            except ChaosError:
+                pass
+        time.sleep(0.2)
+    rec = store.load()
+    return f"crash loop on {node}: {killed} rank(s) killed; job {rec.state.value if rec else 'gone'}"
+
+
+def _corrupt(uri: Optional[str], store: JobStore) -> str:
+    """Flips bytes in the newest checkpoint's largest file under a local checkpoint.uri."""
+    if not uri or "://" in uri and not uri.startswith("file://"):
+        raise ChaosError("corrupt-checkpoint needs a local checkpoint.uri")
+    root = Path(uri.removeprefix("file://"))
+    files = [p for p in root.rglob("*") if p.is_file()]
+    if not files:
+        raise ChaosError(f"no checkpoint files under {root}")
+    newest = max(files, key=lambda p: (p.stat().st_mtime, p.stat().st_size))
+    data = bytearray(newest.read_bytes())
+    for i in range(0, len(data), max(1, len(data) // 64)):
+        data[i] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    return f"corrupted {newest}"

@@ -1,0 +1,16 @@
+"""Kubernetes: the TrainingJob custom resource, an operator that runs each job's driver, and a backend
+whose nodes are pods. The driver's logic is the same as with local processes (`driver/backend.py`).
+
+    crd.py        the CustomResourceDefinition, generated from Python (deploy/crd.yaml is its output)
+    spec.py       TrainingJob spec -> JobConfig, and the pods / Service / ConfigMap around a job
+    kube.py       the official client as used here: raw JSON objects, list+watch informers
+    backend.py    Backend over pods: start / stop / list / evict (cordon + anti-affinity)
+    jobdriver.py  `python -m megascale.driver.k8s.jobdriver`: one job's driver with that backend
+    operator.py   watches TrainingJobs, runs a driver per job, evicts failed nodes, writes status
+    health.py     which nodes the operator evicts, from pods and Kubernetes nodes
+    status.py     the TrainingJob status: phase, progress, ETTR, conditions
+    cli.py        `megascale kube {apply-crd,operator,pause,resume,status}`
+"""
+from .spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+
+__all__ = ["API_VERSION", "GROUP", "KIND", "PLURAL", "VERSION"]

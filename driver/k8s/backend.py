@@ -1,0 +1,110 @@
+"""Nodes as pods: the Backend the driver uses on Kubernetes (`driver/local.py` is the other one).
+
+A node is one executor pod, `<job>-<node>`, owned by its TrainingJob, so deleting the job deletes
+its pods. Evicting a node cordons the machine (Kubernetes node) it ran on and records that machine
+in the job's Redis; every pod created afterwards carries a required node anti-affinity to all the
+job's evicted machines (`spec.pod`), which holds even after someone uncordons one.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import redis
+from kubernetes.client.exceptions import ApiException
+
+from .. import log
+from ..backend import Backend, NodeInfo, NodeLaunch
+from . import spec
+from .kube import Kube, reason
+
+
+class K8sState:
+    """A TrainingJob's Kubernetes facts in its Redis, beside its record (one hash slot): the resource's
+    uid (tells a re-created job of the same name from the old one) and the evicted machines."""
+
+    def __init__(self, client: redis.Redis, job: str):
+        prefix = f"megascale:{{{job}}}:k8s:"
+        self.r, self.job, self.k_uid, self.k_hosts = client, job, prefix + "uid", prefix + "evicted-hosts"
+
+    def uid(self) -> Optional[str]:
+        raw = self.r.get(self.k_uid)
+        return raw.decode() if raw else None
+
+    def set_uid(self, uid: str) -> None:
+        self.r.set(self.k_uid, uid)
+
+    def evicted_hosts(self) -> list[str]:
+        return sorted(m.decode() for m in self.r.smembers(self.k_hosts))
+
+    def add_evicted_hosts(self, *hosts: str) -> None:
+        if hosts:
+            self.r.sadd(self.k_hosts, *hosts)
+
+    def _keys(self) -> list[bytes]:
+        return list(self.r.scan_iter(match=f"megascale:{{{self.job}}}:*", count=1000))
+
+    def expire(self, seconds: float) -> None:
+        for key in self._keys():
+            self.r.expire(key, int(seconds))
+
+    def wipe(self) -> int:
+        """Deletes every key of the job (record, commands, acks, offsets, these): a fresh start."""
+        keys = self._keys()
+        return self.r.delete(*keys) if keys else 0
+
+
+class KubernetesBackend(Backend):
+    def __init__(self, kube: Kube, namespace: str, name: str, launch: NodeLaunch, client: redis.Redis):
+        self.kube, self.namespace, self.name, self.launch = kube, namespace, name, launch
+        self.state = K8sState(client, launch.job)
+
+    def start(self, nodes: list[str]) -> None:
+        cr = self.kube.get_job(self.namespace, self.name)  # read each time: the pod template follows the spec
+        if cr is None:
+            log.warning("TrainingJob %s/%s is gone: not starting %s", self.namespace, self.name, ", ".join(nodes))
+            return
+        avoid = self.state.evicted_hosts()
+        for node in nodes:
+            created = self.kube.create_pod(self.namespace, spec.pod(cr, node, self.launch, avoid))
+            log.info("started node %s (pod %s)%s", node, spec.pod_name(self.name, node),
+                     "" if created else ": it existed already")
+
+    def _pods(self) -> dict[str, dict]:
+        pods = self.kube.list_pods(self.namespace, f"{spec.JOB_LABEL}={self.name}")
+        return {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in pods if spec.NODE_LABEL in p["metadata"].get("labels", {})}
+
+    def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
+        for node in nodes:
+            self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s)
+        # Waits for the kubelet to confirm, but not forever: a pod on a dead machine never is.
+        deadline = time.monotonic() + grace_s + 5
+        while nodes and time.monotonic() < deadline and set(nodes) & set(self._pods()):
+            time.sleep(0.5)
+
+    def list(self) -> dict[str, NodeInfo]:
+        out = {}
+        for node, pod in self._pods().items():
+            phase = (pod.get("status") or {}).get("phase", "Pending")
+            alive = phase in ("Pending", "Running") and not pod["metadata"].get("deletionTimestamp")
+            out[node] = NodeInfo(node, alive, pod["spec"].get("nodeName", ""), f"pod {pod['metadata']['name']}")
+        return out
+
+    def evict(self, node: str) -> None:
+        pod = self._pods().get(node)
+        host = (pod or {}).get("spec", {}).get("nodeName")
+        if host:
+            self.state.add_evicted_hosts(host)  # first: whatever happens next, later pods avoid the machine
+            try:
+                self.kube.cordon(host, f"{self.namespace}/{self.name} evicted node {node} at "
+                                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+                log.info("evicted node %s: cordoned %s", node, host)
+            except ApiException as e:  # the anti-affinity keeps this job off it regardless
+                log.warning("evicted node %s but could not cordon %s: %s", node, host, reason(e))
+        # Grace 0 (a forced delete): the pod may sit on a machine that will never confirm its end.
+        # A partitioned executor that lives on cannot rejoin: its node id is never used again.
+        self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s=0)
+
+    def log_files(self, node: str) -> list[Path]:
+        return []  # `kubectl logs <job>-<node>`: the executor's log is the pod's

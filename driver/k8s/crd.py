@@ -1,0 +1,218 @@
+"""The TrainingJob CustomResourceDefinition, generated here so the inline job config's schema follows
+`megascale/config.py` (`python -m megascale.driver.k8s.crd > deploy/crd.yaml`; a test keeps them equal).
+
+The schema rejects bad specs at admission: types, ranges, enums, required fields, exactly one
+config source, unknown inline config fields (kubectl's default strict field validation), and two
+CEL rules for what one field cannot say alone (the world size, TP groups inside a node).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from megascale.config import JobConfig
+from megascale.driver.state import JobState
+
+from .spec import DEVICE_RESOURCE, GROUP, KIND, PLURAL, POLICY, SPEC_OWNED, VERSION
+
+NAME = f"{PLURAL}.{GROUP}"
+MAX_NAME = 50  # leaves room for "-config" and "-n123" within the 63 characters of names and labels
+
+# Inline config fields the spec owns (spec.py: SPEC_OWNED): kept out so a job says each thing once.
+SPEC_OWNED_CONFIG = {"name", "cluster", "services", "train.run_dir",
+                     *(path for path in SPEC_OWNED if path.split(".")[0] not in ("cluster", "services"))}
+
+QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True,
+            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                       r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+
+
+def _obj(properties: dict, required: tuple = (), description: str = "", **extra: Any) -> dict:
+    schema: dict = {"type": "object"}
+    if description:
+        schema["description"] = description
+    schema["properties"] = properties
+    if required:
+        schema["required"] = list(required)
+    return {**schema, **extra}
+
+
+def _int(minimum: int, maximum: int, description: str = "", **extra: Any) -> dict:
+    return {"type": "integer", **({"description": description} if description else {}), "minimum": minimum,
+            "maximum": maximum, **extra}
+
+
+def _num(minimum: float, maximum: float, description: str = "", **extra: Any) -> dict:
+    return {"type": "number", **({"description": description} if description else {}), "minimum": minimum,
+            "maximum": maximum, **extra}
+
+
+def _str(description: str = "", **extra: Any) -> dict:
+    return {"type": "string", **({"description": description} if description else {}), **extra}
+
+
+# -- the inline job config, from the dataclasses -----------------------------------------------------
+
+def config_schema(cls: type = JobConfig, where: str = "") -> dict:
+    hints = typing.get_type_hints(cls)
+    properties = {}
+    for f in dataclasses.fields(cls):
+        name = f.name.rstrip("_")  # config.py's convention: `global_` is `global` in YAML
+        path = f"{where}.{name}" if where else name
+        if path not in SPEC_OWNED_CONFIG:
+            properties[name] = _type_schema(hints[f.name], path)
+    return {"type": "object", "properties": properties}
+
+
+def _type_schema(hint: Any, path: str) -> dict:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return config_schema(hint, path)
+    if origin is Union:  # Optional[X]
+        return {**_type_schema(next(a for a in args if a is not type(None)), path), "nullable": True}
+    if origin is Literal:
+        return {"type": "string", "enum": list(args)}
+    if origin is dict:  # comm.env: names to strings (numbers accepted, as in YAML)
+        return {"type": "object", "additionalProperties": {"anyOf": [{"type": "integer"}, {"type": "string"}],
+                                                           "x-kubernetes-int-or-string": True}}
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    if hint in simple:
+        return {"type": simple[hint]}
+    if hint is tuple:  # optimizer.betas
+        return {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}
+    raise TypeError(f"{path}: no schema for config type {hint}")  # a new config type: teach this function
+
+
+# -- the resource ------------------------------------------------------------------------------
+
+def spec_schema() -> dict:
+    policy_fields = {
+        "heartbeatSeconds": ("executor heartbeat period", 0.1, 300.0),
+        "deadAfterSeconds": ("silence after which a node is dead (at least twice the heartbeat)", 0.2, 3600.0),
+        "startTimeoutSeconds": ("for all nodes to report in", 1.0, 86400.0),
+        "commandTimeoutSeconds": ("for a node to acknowledge a command", 1.0, 3600.0),
+    }
+    policy = {name: _num(lo, hi, what, default=POLICY[name][1]) for name, (what, lo, hi) in policy_fields.items()}
+    policy["maxRestarts"] = _int(0, 1000, "automatic rank restarts after a rank fails, before the job fails",
+                                 default=POLICY["maxRestarts"][1])
+    toleration = _obj({"key": _str(), "operator": _str(enum=["Exists", "Equal"]), "value": _str(),
+                       "effect": _str(enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+                       "tolerationSeconds": {"type": "integer"}})
+    env = _obj({"name": _str(minLength=1), "value": _str(),
+                "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}, required=("name",))
+    return _obj({
+        "image": _str("container image with megascale installed; each pod runs `python -m megascale.executor`",
+                      minLength=1),
+        "imagePullPolicy": _str(enum=["Always", "IfNotPresent", "Never"]),
+        "nodes": _int(1, 100000, "active nodes: one executor pod each"),
+        "devicesPerNode": _int(1, 64, "ranks per node, one per device"),
+        "deviceResource": _str(f"extended resource each pod requests devicesPerNode of; \"\" requests none "
+                               f"(CPU ranks)", default=DEVICE_RESOURCE),
+        "parallelism": _obj({k: _int(1, 100000, default=1) for k in ("tp", "pp", "dp")},
+                            description="tp * pp * dp must equal nodes * devicesPerNode"),
+        "spares": _int(0, 1000, "hot spare nodes (running executors without ranks) that replace evicted ones",
+                       default=0),
+        "config": _obj({
+            "inline": {**config_schema(), "description": "the job config (megascale YAML) without the fields "
+                                                         "this spec owns"},
+            "configMapRef": _obj({"name": _str(minLength=1), "key": _str(default="config.yaml")}, required=("name",),
+                                 description="a ConfigMap key holding a job YAML; this spec's fields override it"),
+        }, description="what to train: exactly one of inline or configMapRef",
+            oneOf=[{"required": ["inline"]}, {"required": ["configMapRef"]}]),
+        "checkpoint": _obj({"uri": _str("file://, hdfs:// or s3:// location of the checkpoints", minLength=1),
+                            "every": _int(0, 10**9, "steps between checkpoints; 0: none"),
+                            "keep": _int(1, 1000, "newest checkpoints kept")}),
+        "services": _obj({"redis": _str("redis://host:port[/db]; default: the operator's", pattern="^rediss?://"),
+                          "kafka": _str("Kafka bootstrap servers host:port[,host:port]; default: the operator's",
+                                        minLength=1)}),
+        "policy": _obj(policy, description="heartbeats, failure detection and restarts", default={}),
+        "paused": {"type": "boolean", "description": "true stops the ranks and holds the job; false resumes it",
+                   "default": False},
+        "resources": _obj({"requests": {"type": "object", "additionalProperties": QUANTITY},
+                           "limits": {"type": "object", "additionalProperties": QUANTITY}},
+                          description="each executor pod's resources, besides the devices"),
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+        "tolerations": {"type": "array", "items": toleration},
+        "env": {"type": "array", "items": env, "description": "extra environment of each executor and its ranks"},
+        "serviceAccountName": _str(),
+    }, required=("image", "nodes", "devicesPerNode", "parallelism", "config"), **{"x-kubernetes-validations": [
+        {"rule": "self.nodes * self.devicesPerNode == self.parallelism.tp * self.parallelism.pp * self.parallelism.dp",
+         "message": "spec.nodes * spec.devicesPerNode must equal spec.parallelism.tp * pp * dp (the world size)"},
+        {"rule": "self.devicesPerNode % self.parallelism.tp == 0",
+         "message": "spec.devicesPerNode must be a multiple of spec.parallelism.tp (a TP group stays inside a node)"},
+    ]})
+
+
+def status_schema() -> dict:
+    condition = _obj({"type": _str(), "status": _str(enum=["True", "False", "Unknown"]), "reason": _str(),
+                      "message": _str(), "lastTransitionTime": _str(format="date-time"),
+                      "observedGeneration": {"type": "integer"}}, required=("type", "status"))
+    node = _obj({"id": _str(), "role": _str(enum=["active", "spare", "evicted"]), "index": {"type": "integer"},
+                 "pod": _str(), "host": _str(), "alive": {"type": "boolean"}, "dead": _str()}, required=("id",))
+    count = {"type": "integer"}
+    return _obj({
+        "phase": _str(enum=[s.value for s in JobState]),
+        "reason": _str("why the job is in this phase"),
+        "observedGeneration": count,
+        "paused": {"type": "boolean", "description": "the spec.paused the operator last applied"},
+        "incarnation": count, "restarts": count, "step": count, "totalSteps": count,
+        "loss": {"type": "number"}, "tokensPerSecond": {"type": "number"},
+        "ettr": _num(0.0, 1.0, "effective training time ratio: steps x ideal step time / wall time (the driver's)"),
+        "mttrSeconds": _num(0.0, 1e9, "mean time to recover: fault to training caught up, over finished recoveries"),
+        "recoveries": count,
+        "startTime": _str(format="date-time"), "lastSyncTime": _str(format="date-time"),
+        "evictedNodes": {"type": "array", "items": _str(), "description": "Kubernetes nodes evicted (cordoned)"},
+        "lastCheckpoint": _obj({"step": count, "uri": _str()}),
+        "nextNode": count,
+        "nodes": {"type": "array", "items": node},
+        "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
+                       "x-kubernetes-list-map-keys": ["type"]},
+    })
+
+
+def printer_columns() -> list[dict]:
+    return [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+        {"name": "Loss", "type": "number", "jsonPath": ".status.loss"},
+        {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+        {"name": "ETTR", "type": "number", "jsonPath": ".status.ettr"},
+        {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes"},
+        {"name": "Paused", "type": "boolean", "jsonPath": ".spec.paused", "priority": 1},
+        {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd() -> dict:
+    root = _obj({
+        "apiVersion": _str(), "kind": _str(),
+        "metadata": _obj({"name": _str(maxLength=MAX_NAME, pattern="^[a-z]([-a-z0-9]*[a-z0-9])?$")}),
+        "spec": spec_schema(),
+        "status": status_schema(),
+    }, required=("spec",), description="A MegaScale training job: executor pods on `nodes` machines, driven to "
+                                       "completion through failures by the megascale operator")
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": NAME, "labels": {"app.kubernetes.io/name": "megascale"}},
+        "spec": {
+            "group": GROUP, "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": KIND.lower(),
+                      "shortNames": ["tj"], "categories": ["megascale"]},
+            "versions": [{"name": VERSION, "served": True, "storage": True, "subresources": {"status": {}},
+                          "additionalPrinterColumns": printer_columns(), "schema": {"openAPIV3Schema": root}}],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `python -m megascale.driver.k8s.crd > deploy/crd.yaml`: edit driver/k8s/crd.py instead.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

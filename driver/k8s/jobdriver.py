@@ -1,0 +1,66 @@
+"""`python -m megascale.driver.k8s.jobdriver --namespace NS --name JOB --redis URL --kafka BOOTSTRAP`:
+one TrainingJob's driver: the reconcile loop of `megascale run`, with pods for nodes.
+
+The operator runs one per job as a child process, as `megascale run`'s supervisor does: a driver
+that dies takes no other job with it, and its successor resumes from the job's record in Redis.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import sys
+from typing import Optional
+
+from megascale.config import ConfigError, from_dict
+
+from .. import log
+from ..backend import NodeLaunch
+from ..reconcile import Driver
+from ..state import JobStore
+from .backend import KubernetesBackend
+from .kube import Kube, connect
+from .spec import job_id
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGTERM (an orderly stop) when the operator goes, however it goes (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megascale.driver.k8s.jobdriver", description=__doc__.splitlines()[0])
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--name", required=True, help="the TrainingJob")
+    p.add_argument("--redis", required=True)
+    p.add_argument("--kafka", required=True)
+    p.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
+    args = p.parse_args(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {args.namespace}/{args.name} %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    store = JobStore.from_url(args.redis, job_id(args.namespace, args.name))
+    rec = store.load()
+    if rec is None:
+        log.error("no job %s in Redis at %s: the operator submits it first", store.job, args.redis)
+        return 2
+    try:
+        cfg = from_dict(rec.config)
+    except ConfigError as e:
+        log.error("job %s has an invalid config: %s", store.job, e)
+        return 2
+    launch = NodeLaunch(job=store.job, redis_url=args.redis, kafka=args.kafka, run_dir=rec.run_dir,
+                        heartbeat_s=cfg.control.heartbeat_s)
+    backend = KubernetesBackend(Kube(connect(args.kubeconfig)), args.namespace, args.name, launch, store.r)
+    return Driver(store, args.redis, args.kafka, backend=backend).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The Kubernetes API as megascale uses it, through the official client: raw JSON objects (the same
+dicts the manifests are written as), 404 as None, 409 on create as "already there", and an
+informer (list, then watch from the list's resourceVersion) for the operator's caches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+
+from .. import log
+from .spec import GROUP, JOB_LABEL, MANAGED_BY, PLURAL, VERSION, SpecError
+
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+REQUEST_TIMEOUT_S = 15
+SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def connect(kubeconfig: Optional[str] = None, context: Optional[str] = None) -> client.ApiClient:
+    """Inside a pod, its service account (unless a kubeconfig is named); elsewhere the kubeconfig
+    ($KUBECONFIG or ~/.kube/config), as kubectl does."""
+    configuration = client.Configuration()
+    if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=configuration)
+    else:
+        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+def current_namespace(kubeconfig: Optional[str] = None, context: Optional[str] = None) -> str:
+    """kubectl's default namespace: the pod's own, else the kubeconfig context's, else "default"."""
+    if kubeconfig is None and os.path.exists(SA_NAMESPACE) and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        with open(SA_NAMESPACE) as f:
+            return f.read().strip()
+    try:
+        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+    except (config.ConfigException, OSError):
+        return "default"
+    chosen = next((c for c in contexts if c["name"] == context), None) if context else active
+    return ((chosen or {}).get("context") or {}).get("namespace") or "default"
+
+
+def reason(e: ApiException) -> str:
+    """The API server's one-line message (its Status body), else the HTTP reason."""
+    try:
+        return json.loads(e.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"{e.status} {e.reason}"
+
+
+class Kube:
+    """The calls the operator, the backend and the CLI make; objects in and out are plain dicts."""
+
+    def __init__(self, api: client.ApiClient):
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.extensions = client.ApiextensionsV1Api(api)
+
+    @staticmethod
+    def _data(resp) -> dict:
+        return json.loads(resp.data)
+
+    def _get(self, call: Callable, *args) -> Optional[dict]:
+        try:
+            return self._data(call(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    # -- TrainingJobs ----------------------------------------------------------------------------
+
+    def get_job(self, namespace: str, name: str) -> Optional[dict]:
+        return self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+
+    def list_jobs(self, namespace: Optional[str]) -> list[dict]:
+        if namespace:
+            found = self._get(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
+        else:
+            found = self._get(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
+        return (found or {}).get("items", [])
+
+    def patch_job(self, namespace: str, name: str, patch: dict) -> dict:
+        """A JSON merge patch of the resource, as `kubectl patch --type merge` sends."""
+        return self._data(self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, patch, _content_type=MERGE, _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT_S))
+
+    def patch_job_status(self, namespace: str, name: str, status: dict) -> dict:
+        return self._data(self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _content_type=MERGE, _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT_S))
+
+    # -- pods, Services, ConfigMaps ------------------------------------------------------------------
+
+    def create_pod(self, namespace: str, body: dict) -> bool:
+        """False when a pod of that name exists already (a restarted driver creating it again)."""
+        return self._create(self.core.create_namespaced_pod, namespace, body)
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict]:
+        found = self._data(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False,
+                                                         _request_timeout=REQUEST_TIMEOUT_S))
+        return found.get("items", [])
+
+    def delete_pod(self, namespace: str, name: str, grace_s: Optional[float] = None) -> bool:
+        """False when it was gone already."""
+        try:
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=None if grace_s is None else int(grace_s),
+                                            _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def apply_owned(self, kind: str, namespace: str, body: dict) -> None:
+        """Creates a job's Service or ConfigMap; one already there is merge-patched if it is that job's
+        (left by a deleted job of the same name, before garbage collection: the patch moves it to the
+        new owner), and refused if it is anybody else's (SpecError)."""
+        create, read, patch = {
+            "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service,
+                        self.core.patch_namespaced_service),
+            "ConfigMap": (self.core.create_namespaced_config_map, self.core.read_namespaced_config_map,
+                          self.core.patch_namespaced_config_map)}[kind]
+        if self._create(create, namespace, body):
+            return
+        name, ours = body["metadata"]["name"], body["metadata"]["labels"]
+        labels = ((self._get(read, name, namespace) or {}).get("metadata") or {}).get("labels") or {}
+        if any(labels.get(k) != ours[k] for k in (JOB_LABEL, *MANAGED_BY)):
+            raise SpecError(f"metadata.name: a {kind} {namespace}/{name} exists that the megascale operator did not "
+                            f"make for this job; rename the TrainingJob or that {kind}")
+        patch(name, namespace, {k: v for k, v in body.items() if k not in ("apiVersion", "kind")},
+              _content_type=MERGE, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+
+    def config_map_data(self, namespace: str, name: str) -> Optional[dict]:
+        found = self._get(self.core.read_namespaced_config_map, name, namespace)
+        return None if found is None else found.get("data") or {}
+
+    def _create(self, call: Callable, namespace: str, body: dict) -> bool:
+        try:
+            call(namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def cordon(self, node: str, why: str) -> None:
+        """Unschedulable for everyone (a strategic merge patch, as `kubectl cordon` sends), with the reason
+        in an annotation for whoever repairs the machine. No taint: a taint patch replaces the node's list."""
+        from .spec import EVICTED_ANNOTATION
+
+        patch = {"metadata": {"annotations": {EVICTED_ANNOTATION: why}}, "spec": {"unschedulable": True}}
+        self.core.patch_node(node, patch, _content_type=STRATEGIC, _preload_content=False,
+                             _request_timeout=REQUEST_TIMEOUT_S)
+
+    # -- the CustomResourceDefinition (people with cluster rights: `megascale kube apply-crd`) ---------
+
+    def apply_crd(self, body: dict) -> str:
+        name = body["metadata"]["name"]
+        existing = self._get(self.extensions.read_custom_resource_definition, name)
+        if existing is None:
+            self.extensions.create_custom_resource_definition(body, _preload_content=False,
+                                                              _request_timeout=REQUEST_TIMEOUT_S)
+            return "created"
+        body = {**body, "metadata": {**body["metadata"], "resourceVersion": existing["metadata"]["resourceVersion"]}}
+        self.extensions.replace_custom_resource_definition(name, body, _preload_content=False,
+                                                           _request_timeout=REQUEST_TIMEOUT_S)
+        return "replaced"
+
+
+class Informer:
+    """A cache of one kind of object, kept by list + watch; `on_change(type, obj)` after every change.
+
+    Relists when the watch fails (410 Gone: its resourceVersion expired; or the connection broke),
+    so a missed event is repaired by the next list; `synced` is set after the first one.
+    """
+
+    def __init__(self, what: str, list_call: Callable, on_change: Callable[[str, dict], None],
+                 watch_timeout_s: int = 300, **kwargs):
+        self.what, self.list_call, self.on_change, self.kwargs = what, list_call, on_change, kwargs
+        self.watch_timeout_s = watch_timeout_s
+        self.items: dict[tuple[str, str], dict] = {}
+        self.synced = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch: Optional[watch.Watch] = None
+        self._thread = threading.Thread(target=self._run, name=f"informer-{what}", daemon=True)
+
+    def start(self) -> "Informer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+        self._thread.join(timeout=5)
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return list(self.items.values())
+
+    @staticmethod
+    def key(obj: dict) -> tuple[str, str]:
+        meta = obj.get("metadata") or {}
+        return meta.get("namespace", ""), meta.get("name", "")
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                version = self._list()
+                failures = 0
+                while not self._stop.is_set():
+                    version = self._watch_from(version)
+            except Exception as e:  # noqa: BLE001 - any failure: relist after a pause, as client-go does
+                if self._stop.is_set():
+                    return
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("watch of %s failed (%s); relisting", self.what,
+                                reason(e) if isinstance(e, ApiException) else type(e).__name__)
+                self._stop.wait(min(10.0, 0.5 * failures))
+
+    def _list(self) -> str:
+        listing = json.loads(self.list_call(**self.kwargs, _preload_content=False,
+                                            _request_timeout=REQUEST_TIMEOUT_S).data)
+        fresh = {self.key(obj): obj for obj in listing.get("items", [])}
+        with self._lock:
+            gone = [obj for key, obj in self.items.items() if key not in fresh]
+            self.items = fresh
+        for obj in gone:
+            self.on_change("DELETED", obj)
+        for obj in fresh.values():
+            self.on_change("MODIFIED", obj)
+        self.synced.set()
+        return listing["metadata"]["resourceVersion"]
+
+    def _watch_from(self, version: str) -> str:
+        """Watches until the server ends the stream (its timeout); returns the last resourceVersion seen."""
+        self._watch = watch.Watch()
+        for event in self._watch.stream(self.list_call, **self.kwargs, resource_version=version,
+                                        timeout_seconds=self.watch_timeout_s,
+                                        _request_timeout=self.watch_timeout_s + REQUEST_TIMEOUT_S):
+            if self._stop.is_set():
+                break
+            kind, obj = event["type"], event["raw_object"]
+            if kind == "BOOKMARK":
+                version = obj["metadata"]["resourceVersion"]
+                continue
+            with self._lock:
+                if kind == "DELETED":
+                    self.items.pop(self.key(obj), None)
+                else:
+                    self.items[self.key(obj)] = obj
+            version = obj["metadata"]["resourceVersion"]
+            self.on_change(kind, obj)
+        return version
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return predicate()

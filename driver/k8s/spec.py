@@ -1,0 +1,251 @@
+"""A TrainingJob, translated: the JobConfig its driver runs, and the Kubernetes objects around its nodes.
+
+Pure functions of the custom resource (a dict, as the API returns it), so the operator, the
+backend and the tests build exactly the same objects.
+
+The spec owns where and how the job runs (nodes, devices, parallelism, spares, services, policy,
+checkpoint location); the job config, inline or from a ConfigMap, owns what it trains. Where both
+name a field, the spec wins (the CRD keeps those fields out of an inline config altogether).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import yaml
+
+from megascale.config import ConfigError, JobConfig, from_dict
+
+from ..backend import NodeLaunch
+
+GROUP, VERSION, KIND, PLURAL = "megascale.io", "v1alpha1", "TrainingJob", "trainingjobs"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+JOB_LABEL, NODE_LABEL = "megascale.io/job", "megascale.io/node"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "megascale-operator"}
+HOSTNAME_KEY = "kubernetes.io/hostname"
+EVICTED_ANNOTATION = "megascale.io/evicted"
+
+WORK_DIR = "/var/lib/megascale/work"  # executor log and rank logs (emptyDir)
+RUN_DIR = "/var/lib/megascale/run"  # the ranks' run directory: metrics.jsonl, flight records (emptyDir)
+CONFIG_DIR = "/etc/megascale"  # the resolved job config, for whoever reads a pod
+DEVICE_RESOURCE = "nvidia.com/gpu"
+
+# spec.policy field -> (control.* field, default). Pods start slower than local processes (image
+# pulls, scheduling), hence a longer start timeout than `megascale run`'s.
+POLICY = {
+    "heartbeatSeconds": ("heartbeat_s", 5.0),
+    "deadAfterSeconds": ("dead_after_s", 15.0),
+    "maxRestarts": ("max_restarts", 3),
+    "startTimeoutSeconds": ("start_timeout_s", 600.0),
+    "commandTimeoutSeconds": ("command_timeout_s", 60.0),
+}
+
+# Config fields the spec owns, by the spec field an error should name.
+SPEC_OWNED = {
+    "cluster.nodes": "spec.nodes", "cluster.ranks_per_node": "spec.devicesPerNode", "cluster.spares": "spec.spares",
+    **{f"parallelism.{k}": f"spec.parallelism.{k}" for k in ("tp", "pp", "dp")},
+    **{f"checkpoint.{k}": f"spec.checkpoint.{k}" for k in ("uri", "every", "keep")},
+    **{f"services.{k}": f"spec.services.{k}" for k in ("redis", "kafka")},
+    **{f"control.{field}": f"spec.policy.{name}" for name, (field, _) in POLICY.items()},
+}
+# Whole sections the spec stands for, when an error names one without a field.
+SPEC_SECTIONS = {"cluster": "spec", "services": "spec.services"}
+_SECTIONS = r"(?:model|parallelism|batch|optimizer|precision|data|checkpoint|services|cluster|control|comm|train)"
+# A dotted config path anywhere, or a bare section opening the message ("model: expected a mapping").
+_CONFIG_PATH = re.compile(rf"(?<![\w.]){_SECTIONS}(?:\.\w+)+|^{_SECTIONS}(?=[:=])")
+
+
+class SpecError(ValueError):
+    """A TrainingJob the operator cannot run; the message is one line naming the spec field."""
+
+
+@dataclass
+class ServiceDefaults:
+    """The operator's own Redis and Kafka, for jobs whose spec names none (deploy/services.yaml)."""
+    redis: Optional[str] = None
+    kafka: Optional[str] = None
+
+
+def job_id(namespace: str, name: str) -> str:
+    """The job's name in Redis and Kafka: unique across namespaces sharing one Redis."""
+    return f"{namespace}.{name}"
+
+
+def pod_name(name: str, node: str) -> str:
+    return f"{name}-{node}"
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-resolved-config"
+
+
+# -- spec -> JobConfig ---------------------------------------------------------------------------
+
+def config_source(spec: dict) -> str:
+    return "spec.config.inline" if "inline" in (spec.get("config") or {}) else "spec.config.configMapRef"
+
+
+def base_config(spec: dict, read_config_map: Callable[[str], Optional[dict]]) -> dict:
+    """The job config the spec points at, as a dict; `read_config_map(name)` returns a ConfigMap's data."""
+    source = spec.get("config") or {}
+    if "inline" in source:
+        if not isinstance(source["inline"], dict):
+            raise SpecError("spec.config.inline: must be a mapping")
+        return copy.deepcopy(source["inline"])
+    ref = source.get("configMapRef")
+    if not isinstance(ref, dict) or not ref.get("name"):
+        raise SpecError("spec.config: set either inline or configMapRef.name")
+    name, key = ref["name"], ref.get("key") or "config.yaml"
+    data = read_config_map(name)
+    if data is None:
+        raise SpecError(f"spec.config.configMapRef.name={name!r}: no such ConfigMap in the job's namespace")
+    if key not in data:
+        raise SpecError(f"spec.config.configMapRef.key={key!r}: ConfigMap {name} has no such key "
+                        f"(keys: {', '.join(sorted(data)) or 'none'})")
+    try:
+        raw = yaml.safe_load(data[key]) or {}
+    except yaml.YAMLError:
+        raise SpecError(f"spec.config.configMapRef: {name}/{key} is not valid YAML") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"spec.config.configMapRef: {name}/{key} must hold a mapping")
+    return raw
+
+
+def job_config(cr: dict, base: dict, defaults: ServiceDefaults) -> JobConfig:
+    """The JobConfig a TrainingJob runs: `base` (from `base_config`) under the fields the spec owns."""
+    spec, meta = cr["spec"], cr["metadata"]
+    source = config_source(spec)
+    raw = copy.deepcopy(base)
+    raw["name"] = job_id(meta["namespace"], meta["name"])
+    parallelism = spec.get("parallelism") or {}
+    raw["parallelism"] = {**_section(raw, "parallelism", source), **{k: parallelism.get(k, 1) for k in ("tp", "pp", "dp")}}
+    raw["cluster"] = {"nodes": spec.get("nodes"), "ranks_per_node": spec.get("devicesPerNode"),
+                      "spares": spec.get("spares", 0)}
+    policy = spec.get("policy") or {}
+    raw["control"] = {**_section(raw, "control", source),
+                      **{field: policy.get(name, default) for name, (field, default) in POLICY.items()}}
+    checkpoint = spec.get("checkpoint") or {}
+    raw["checkpoint"] = {**_section(raw, "checkpoint", source),
+                         **{k: checkpoint[k] for k in ("uri", "every", "keep") if k in checkpoint}}
+    services = spec.get("services") or {}
+    raw["services"] = {"redis": services.get("redis") or defaults.redis, "kafka": services.get("kafka") or defaults.kafka}
+    for key, value in raw["services"].items():
+        if not value:
+            raise SpecError(f"spec.services.{key}: not set, and the operator has no default (MEGASCALE_{key.upper()})")
+    raw["train"] = {**_section(raw, "train", source), "run_dir": RUN_DIR}
+    try:
+        return from_dict(raw)
+    except ConfigError as e:
+        raise SpecError(spec_message(str(e), source)) from None
+
+
+def _section(raw: dict, name: str, source: str) -> dict:
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{source}.{name}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def spec_message(message: str, source: str) -> str:
+    """A ConfigError's message with config paths renamed to the spec fields a user of the CRD writes."""
+    def rename(match: re.Match) -> str:
+        path = match.group(0)
+        for owned, spec_path in sorted({**SPEC_OWNED, **SPEC_SECTIONS}.items(), key=lambda kv: -len(kv[0])):
+            if path == owned or path.startswith(owned + "."):
+                return spec_path + path[len(owned):]
+        return f"{source}.{path}"
+    return _CONFIG_PATH.sub(rename, message)
+
+
+# -- objects around the job ----------------------------------------------------------------------
+
+def owner_reference(cr: dict) -> dict:
+    # No blockOwnerDeletion: it would need `update` on trainingjobs/finalizers, a right used for nothing else.
+    meta = cr["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"], "controller": True}
+
+
+def labels(cr: dict, node: Optional[str] = None) -> dict:
+    found = {JOB_LABEL: cr["metadata"]["name"], "app.kubernetes.io/name": "megascale", **MANAGED_BY}
+    if node is not None:
+        found.update({NODE_LABEL: node, "app.kubernetes.io/component": "executor"})
+    return found
+
+
+def _metadata(cr: dict, name: str, node: Optional[str] = None) -> dict:
+    return {"name": name, "namespace": cr["metadata"]["namespace"], "labels": labels(cr, node),
+            "ownerReferences": [owner_reference(cr)]}
+
+
+def config_map(cr: dict, cfg: JobConfig) -> dict:
+    """The resolved job config, mounted read-only in every pod and readable with kubectl."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cr, config_map_name(cr["metadata"]["name"])),
+            "data": {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False)}}
+
+
+def service(cr: dict) -> dict:
+    """Headless: every pod gets `<node>.<job>.<namespace>.svc` (hostname + subdomain), ready or not,
+    so ranks can reach each other by name while they rendezvous."""
+    name = cr["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(cr, name),
+            "spec": {"clusterIP": "None", "selector": {JOB_LABEL: name}, "publishNotReadyAddresses": True}}
+
+
+def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str]) -> dict:
+    """One executor pod. `avoid_hosts` are the Kubernetes nodes evicted from this job: a required node
+    anti-affinity keeps its later pods off them even after someone uncordons them."""
+    spec, name = cr["spec"], cr["metadata"]["name"]
+    args = ["-m", "megascale.executor", "--job", launch.job, "--node", node, "--redis", launch.redis_url,
+            "--kafka", launch.kafka, "--work-dir", WORK_DIR, "--heartbeat-s", f"{launch.heartbeat_s:g}"]
+    env = [{"name": "MEGASCALE_NODE", "value": node},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           *copy.deepcopy(spec.get("env") or [])]
+    container = {
+        "name": "executor", "image": spec["image"], "command": ["python"], "args": args, "env": env,
+        "resources": _resources(spec),
+        "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "run", "mountPath": RUN_DIR},
+                         {"name": "shm", "mountPath": "/dev/shm"},
+                         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    body = {
+        # Never restarted in place: a node that stops is replaced by a spare, under a new id.
+        "restartPolicy": "Never",
+        "hostname": node, "subdomain": name,
+        "automountServiceAccountToken": False,  # executors never call the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "affinity": _affinity(name, avoid_hosts),
+        "containers": [container],
+        "volumes": [{"name": "work", "emptyDir": {}}, {"name": "run", "emptyDir": {}},
+                    # NCCL and the node's shared-memory data loader need more than the runtime's 64 MiB /dev/shm.
+                    {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                    {"name": "config", "configMap": {"name": config_map_name(name)}}],
+    }
+    for key in ("nodeSelector", "tolerations", "serviceAccountName"):
+        if spec.get(key):
+            body[key] = copy.deepcopy(spec[key])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(cr, pod_name(name, node), node), "spec": body}
+
+
+def _resources(spec: dict) -> dict:
+    resources = copy.deepcopy(spec.get("resources") or {})
+    device = spec.get("deviceResource", DEVICE_RESOURCE)
+    if device:  # extended resources are set as limits; requests default to them
+        resources.setdefault("limits", {})[device] = spec["devicesPerNode"]
+    return resources
+
+
+def _affinity(name: str, avoid_hosts: list[str]) -> dict:
+    affinity: dict = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100,  # one executor per machine when there is room: a machine failure takes one node, not two
+        "podAffinityTerm": {"labelSelector": {"matchLabels": {JOB_LABEL: name}}, "topologyKey": HOSTNAME_KEY}}]}}
+    if avoid_hosts:
+        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            # By node name, not the hostname label: the two may differ, and cordoning is by name.
+            {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(avoid_hosts)}]}]}}
+    return affinity

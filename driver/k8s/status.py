@@ -1,0 +1,109 @@
+"""A TrainingJob's status: the driver's record and live status in Kubernetes terms, the machines
+evicted, the newest checkpoint, and conditions for `kubectl wait`.
+
+ETTR and MTTR are the driver's own (MegaScale §6: steps x ideal step time / wall time; fault to
+caught-up), so `megascale status` and `kubectl get trainingjobs` agree. What the driver does not
+know after a restart (its last step, loss, ETTR) keeps the value the status held.
+"""
+from __future__ import annotations
+
+import calendar
+import time
+from typing import Optional
+
+from ..state import JobRecord, JobState, JobStatus
+from .spec import pod_name
+
+TERMINAL_PHASES = {JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.STOPPED.value}
+# Changes to these are written at once; progress (step, loss, ETTR) at most every few seconds.
+SIGNIFICANT = ("phase", "reason", "incarnation", "restarts", "paused", "evictedNodes", "nodes", "lastCheckpoint",
+               "observedGeneration", "conditions", "nextNode", "recoveries")
+PROGRESS = {"step": "step", "totalSteps": "total_steps", "loss": "loss", "tokensPerSecond": "tokens_per_s",
+            "ettr": "ettr", "mttrSeconds": "mttr_s"}
+
+
+def iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def parse_iso(text: Optional[str]) -> Optional[float]:
+    if not text:
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
+def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generation: Optional[int], paused: bool,
+          evicted_hosts: list[str], hosts: dict[str, str], checkpoint: Optional[dict], extra_conditions: list[dict],
+          name: str, now: float) -> dict:
+    """The next status, from the previous one (start time, last known progress, condition times)."""
+    status: dict = {
+        "phase": rec.state.value, "reason": rec.reason, "paused": paused, "incarnation": rec.incarnation,
+        "restarts": rec.restarts, "recoveries": len(rec.recoveries), "nextNode": rec.next_node,
+        "startTime": previous.get("startTime") or iso(now), "lastSyncTime": iso(now),
+        "evictedNodes": list(evicted_hosts), "nodes": _nodes(rec, live, hosts, name),
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    for key, field in PROGRESS.items():
+        value = getattr(live, field, None) if live is not None else None
+        if value is not None:
+            status[key] = value
+        elif key in previous:
+            status[key] = previous[key]
+    if checkpoint:
+        status["lastCheckpoint"] = checkpoint
+    status["conditions"] = conditions(previous.get("conditions") or [], rec, generation, extra_conditions, now)
+    return status
+
+
+def _nodes(rec: JobRecord, live: Optional[JobStatus], hosts: dict[str, str], name: str) -> list[dict]:
+    alive = {n.node: n.alive for n in live.nodes} if live else {}
+    out = []
+    for slot in rec.nodes:
+        node = {"id": slot.node, "role": slot.role, "pod": pod_name(name, slot.node), "alive": alive.get(slot.node, False)}
+        if slot.index is not None:
+            node["index"] = slot.index
+        if hosts.get(slot.node):
+            node["host"] = hosts[slot.node]
+        if slot.dead:
+            node["dead"] = slot.dead
+        out.append(node)
+    return out
+
+
+def conditions(previous: list[dict], rec: JobRecord, generation: Optional[int], extra: list[dict],
+               now: float) -> list[dict]:
+    """Running / Paused / Completed from the phase, plus the operator's own (Valid, EvictionHeld);
+    a condition keeps its lastTransitionTime while its status stays the same."""
+    phase = rec.state.value
+    wanted = [
+        {"type": "Running", "status": str(phase == JobState.RUNNING.value), "reason": phase, "message": rec.reason},
+        {"type": "Paused", "status": str(phase == JobState.PAUSED.value), "reason": phase, "message": rec.reason},
+        {"type": "Completed", "status": str(phase in TERMINAL_PHASES), "reason": phase, "message": rec.reason},
+        *extra,
+    ]
+    before = {c["type"]: c for c in previous}
+    out = []
+    for cond in wanted:
+        old = before.get(cond["type"])
+        since = old["lastTransitionTime"] if old and old.get("status") == cond["status"] and old.get(
+            "lastTransitionTime") else iso(now)
+        out.append({**cond, "lastTransitionTime": since,
+                    **({"observedGeneration": generation} if generation is not None else {})})
+    return out
+
+
+def changed(old: dict, new: dict) -> bool:
+    """Whether the difference is worth a write now rather than at the next progress write."""
+    def strip(conds: list[dict]) -> list[tuple]:
+        return [(c["type"], c["status"], c.get("reason"), c.get("message")) for c in conds]
+    for key in SIGNIFICANT:
+        a, b = old.get(key), new.get(key)
+        if key == "conditions":
+            a, b = strip(a or []), strip(b or [])
+        if a != b:
+            return True
+    return False

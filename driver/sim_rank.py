@@ -1,0 +1,65 @@
+"""A stand-in rank for recovery tests, chaos demos and `bench recovery`: no torch, no model.
+
+Each step is a simulated all-reduce over every rank, recorded in the same flight-recorder file
+real ranks write (`<run_dir>/flight-rank<R>.bin`); the "collective" completes once every peer's
+recorder shows it entered the same step, so a stopped or dead rank stalls the others exactly where
+a real collective would, and the driver's hang localisation sees a real picture.
+
+Env: SIM_STEP_S (seconds per step). With checkpoint.uri set it "checkpoints" every
+checkpoint.every steps into `<uri>/sim-step` and resumes from there, so restarts lose work the way
+real ones do.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+from megascale.executor.rank import Progress, RankSpec, die_with_parent
+from megascale.parallel.flight_recorder import FlightRecorder, read_records
+
+
+def entered(path: Path, seq: int) -> bool:
+    try:
+        return any(r.seq >= seq for r in read_records(path))
+    except (OSError, ValueError, IndexError, struct.error):
+        return False  # not created yet, or being truncated by a restarting peer
+
+
+def main() -> int:
+    spec = RankSpec.load(sys.argv[1])
+    die_with_parent(spec.parent_pid)
+    progress = Progress(spec.progress_path)
+    cfg = spec.config
+    steps, step_s = cfg["train"]["steps"], float(os.environ.get("SIM_STEP_S", "0.2"))
+    run_dir = Path(spec.run_dir)
+    ckpt = cfg.get("checkpoint", {})
+    mark = Path(ckpt["uri"]) / "sim-step" if ckpt.get("uri") else None
+    start = int(mark.read_text()) if mark and spec.resume and mark.exists() else 0
+    recorder = FlightRecorder(run_dir / f"flight-rank{spec.rank}.bin", capacity=64)
+    peers = [run_dir / f"flight-rank{r}.bin" for r in range(spec.world_size) if r != spec.rank]
+    progress.write({"state": "running", "restored_step": start})
+    for step in range(start + 1, steps + 1):
+        began = time.monotonic()
+        time.sleep(step_s)
+        slot = recorder.begin("all_reduce", "dp:0", spec.world_size)
+        seq = step - start
+        while not all(entered(p, seq) for p in peers):
+            time.sleep(0.01)
+        recorder.end(slot)
+        if mark and ckpt.get("every") and step % ckpt["every"] == 0 and spec.rank == 0:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            tmp = mark.with_suffix(".tmp")
+            tmp.write_text(str(step))
+            tmp.replace(mark)  # committed atomically, like a manifest
+        if spec.rank == spec.world_size - 1:  # one reporting rank, like train_rank
+            progress.write({"step": step, "loss": 10.0 / step, "step_time": time.monotonic() - began, "tokens_per_s": 1000.0,
+                            "grad_norm": 1.0, "lr": 0.01})
+    progress.write({"state": "done", "step": steps})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
