@@ -206,6 +206,10 @@ def launch_local(cfg: JobConfig, progress: bool = True) -> int:
             run_ranks(train_rank, layout, cfg, str(run_dir), queue.put if queue else None,
                       sequence_parallel=cfg.parallelism.sequence_parallel, backend=cfg.parallelism.backend)
         finally:
+            if cfg.checkpoint.uri:  # the job is over: nothing will restore from host memory
+                from megascale.checkpoint import shutdown_keeper
+
+                shutdown_keeper(cfg.checkpoint.uri)
             if queue:
                 queue.put(None)
                 follower.join(timeout=5)
