@@ -30,8 +30,16 @@ def headline(job: str, status: dict) -> Text:
     text.append(f"  step {_num(status.get('step'), 'd')}{f'/{total}' if total else ''}"
                 f"  loss {_num(status.get('loss'), '.4f')}  {_num(status.get('tokens_per_s'), ',.0f')} tok/s"
                 f"  restarts {status.get('restarts', 0)}")
+    recoveries = status.get("recoveries") or []
+    if status.get("driver"):  # a driver's view: the reliability figures and where to scrape it
+        text.append(f"\nETTR {_num(status.get('ettr'), '.2f')}  MTTR {_num(status.get('mttr_s'), '.1f')} s"
+                    f"  recoveries {len(recoveries)}")
+        if status.get("prometheus"):
+            text.append(f"  metrics {status['prometheus']}", style="dim")
     if status.get("reason"):
         text.append(f"\n{status['reason']}", style="dim")
+    for line in status.get("stragglers") or []:
+        text.append(f"\n{line}", style="yellow")
     return text
 
 

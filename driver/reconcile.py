@@ -5,6 +5,10 @@ Each pass loads the durable record from Redis, compares it with what the nodes r
 idempotent steps (commands, transitions), saves the record and publishes its decisions to
 `<job>.events`. Every step waits on acknowledgements recorded in Redis, never on in-memory
 state, so a driver killed anywhere resumes correctly from the record.
+
+Alongside, a `MetricsConsumer` thread stores the ranks' step timings from `<job>.metrics` in
+`<run_dir>/metrics` (Parquet) and feeds `JobMetrics`: straggler findings become events, status
+lines and, with `control.evict_stragglers`, faults; `/metrics` serves it all to Prometheus.
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
+from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse, urlunparse
 
@@ -27,6 +33,10 @@ from . import log
 from .backend import Backend, NodeLaunch, make_backend
 from .bus import ensure_topics, make_producer
 from .ingest import HeartbeatIngest
+from .metrics import prometheus
+from .metrics.prometheus import JobMetrics
+from .metrics.store import MetricsConsumer, ParquetStore
+from .metrics.stragglers import Finding, StragglerMonitor, describe
 from .pool import NodePool
 from .recovery import Fault, RecoveryPolicy, detect_faults, group_members, peers_of
 from .state import JobRecord, JobState, JobStatus, JobStore, NodeStatus
@@ -50,6 +60,11 @@ class Driver:
         self._last_progress: tuple[tuple, float] = ((0, None), time.time())  # (incarnation, step), when it changed
         self._step_times: list[float] = []
         self._final_step: Optional[int] = None
+        self._news: list[tuple[Finding, bool]] = []  # straggler (finding, cleared) from the consumer thread
+        self._news_lock = threading.Lock()
+        self._timings_incarnation = 0
+        self._shown: dict = {}  # the newest status, as plain data, for /metrics
+        self.prometheus_url: Optional[str] = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -75,14 +90,51 @@ class Driver:
         if not self._connect_kafka():
             return 0
         self.ingest.start()
+        self._start_metrics(rec)
         self.started = time.monotonic()  # no node is judged silent before it had a chance to be heard
         log.info("driver %s has job %s in state %s", self.holder, self.job, rec.state.value)
         try:
             return self._loop()
         finally:
             self.ingest.stop()
+            self.consumer.stop(timeout=5)
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
             self.events.close(timeout=2)
             self.store.release_lease(self.holder)
+
+    def _start_metrics(self, rec: JobRecord) -> None:
+        """The timings store, the straggler monitor and (control.prometheus_port >= 0) `/metrics`."""
+        self.metrics = JobMetrics(self.job, self.cfg.ranks_per_node)
+        self.timings = ParquetStore(Path(rec.run_dir) / "metrics")
+        self.consumer = MetricsConsumer(self.kafka, self.job, self.timings, on_records=self._on_timings)
+        self.consumer.start()
+        self._http = None
+        port = self.cfg.control.prometheus_port
+        if port >= 0:
+            try:
+                self._http = prometheus.serve(
+                    lambda: self.metrics.render(self._shown, dropped=self.consumer.dropped_by_senders), port)
+            except OSError as e:  # a taken port costs the scrape endpoint, not the job
+                log.warning("cannot serve Prometheus metrics on port %d: %s", port, e.strerror or e)
+                return
+            host, bound = self._http.server_address[:2]
+            self.prometheus_url = f"http://{host}:{bound}/metrics"
+            log.info("Prometheus metrics at %s", self.prometheus_url)
+
+    def _on_timings(self, records: list[dict]) -> None:
+        """On the consumer thread: a new incarnation starts a fresh straggler window (its ranks restarted)."""
+        newest = max((r.get("incarnation") or 0 for r in records), default=0)
+        if newest > self._timings_incarnation:
+            self._timings_incarnation = newest
+            names = self.metrics.monitor.node_names
+            self.metrics.monitor = StragglerMonitor(self.cfg.ranks_per_node, node_names=names)
+            self.metrics.findings = []
+        records = [r for r in records if (r.get("incarnation") or 0) >= self._timings_incarnation]
+        new, cleared = self.metrics.observe(records)
+        with self._news_lock:
+            self._news += [(f, False) for f in new] + [(f, True) for f in cleared]
 
     def _connect_kafka(self) -> bool:
         """Topics, the events producer and the heartbeat reader; waits out a broker that is down."""
@@ -125,17 +177,42 @@ class Driver:
                 return 1
             if rec.terminal:
                 self._finish(rec)
-                self.store.write_status(self._status(rec))
+                self.consumer.drain()  # the nodes flushed their last timings on exit: store them first
+                self._straggler_news(rec)  # findings from those last timings still become events
+                self._write_status(rec, to_store=True)
                 return 0
+            self._straggler_news(rec)
             self.reconcile(rec)
             self.store.save(rec)
-            self.store.write_status(self._status(rec))
-            if time.monotonic() >= next_offsets:
+            due = time.monotonic() >= next_offsets
+            self._write_status(rec, to_store=due)
+            if due:
                 self.store.save_offsets(*self.ingest.positions())
                 next_offsets = time.monotonic() + 1.0
             time.sleep(TICK_S)
         log.info("driver stopping; job %s stays %s for the next driver", self.job, self.store.load().state.value)
         return 0
+
+    def _write_status(self, rec: JobRecord, to_store: bool) -> None:
+        """Redis every pass (`status`); the timings store once a second (the dashboard reads it there)."""
+        status = self._status(rec)
+        self.store.write_status(status)
+        self._shown = dataclasses.asdict(status)
+        if to_store:
+            try:
+                self.timings.write_status(self.job, self._shown)
+            except OSError as e:
+                log.warning("cannot write the dashboard's status file: %s", e)
+
+    def _straggler_news(self, rec: JobRecord) -> None:
+        """Straggler findings that appeared or cleared: one event each, named by node id."""
+        names = {s.index: s.node for s in rec.slots("active")}
+        self.metrics.monitor.node_names = [names.get(i, f"node{i}") for i in range(max(names, default=-1) + 1)]
+        with self._news_lock:
+            news, self._news = self._news, []
+        for f, cleared in news:
+            message = f"straggler cleared: rank {f.rank} on {f.node_name}" if cleared else describe(f)
+            self._event("node", message, rec, node=f.node_name, straggler=f.to_dict(), cleared=cleared)
 
     def _node_env(self) -> dict[str, str]:
         # Every local "node" shares this host's cores; an even split keeps ranks from thrashing.
@@ -196,6 +273,8 @@ class Driver:
         hang = self._hang(rec)
         if not faults and hang:
             faults = [hang]
+        if not faults and self.cfg.control.evict_stragglers:
+            faults = self._straggler_faults(rec)
         if faults:
             self._fault(rec, faults[0])
         elif desired == "paused":
@@ -311,6 +390,8 @@ class Driver:
 
     def _decide(self, rec: JobRecord, fault: Fault) -> None:
         dead = sorted(s.node for s in rec.slots("active") if s.dead)
+        if fault.kind == "straggler" and fault.node and rec.slot(fault.node) is not None:
+            rec.bad.setdefault(fault.node, "straggler")  # a passing self-check does not make it fast
         decision, reason = self.policy.decide(rec, fault, dead, self.cfg, dict(rec.bad))
         self._event("fault", f"decision: {decision}: {reason}", rec, node=fault.node, decision=decision,
                     dead=dead, failed_selfcheck=rec.bad)
@@ -419,6 +500,15 @@ class Driver:
                         f"diagnose {t['diagnosis_s']:.1f}, restart {t['restart_s']:.1f}, catch up {t['catchup_s']:.1f}: "
                         f"{done['steps_lost']} steps replayed)", rec, node=r["node"],
                         **{k: v for k, v in done.items() if k != "node"})
+
+    def _straggler_faults(self, rec: JobRecord) -> list[Fault]:
+        """control.evict_stragglers: the slowest straggler's node is a fault (checked, then evicted)."""
+        findings = self.metrics.findings if self._timings_incarnation == rec.incarnation else []
+        if not findings:  # findings of an older incarnation name ranks that were already restarted
+            return []
+        f = findings[0]  # sorted slowest first
+        return [Fault("straggler", f.node_name, f"{describe(f)}; evicting its node (control.evict_stragglers)",
+                      {"rank": f.rank, "segment": f.segment, "dimension": f.dimension, "slowdown": f.slowdown})]
 
     def _hang(self, rec: JobRecord) -> Optional[Fault]:
         """Heartbeats arrive, but the step has not moved for control.hang_after_s."""
@@ -607,7 +697,9 @@ class Driver:
                          driver=self.holder, updated=time.time(), heartbeats=self.ingest.processed,
                          ignored=sum(self.ingest.ignored.values()), ettr=self._ettr(rec), recoveries=rec.recoveries,
                          mttr_s=round(sum(r["total_s"] for r in rec.recoveries) / len(rec.recoveries), 2)
-                         if rec.recoveries else None)
+                         if rec.recoveries else None,
+                         stragglers=[describe(f) for f in self.metrics.findings], prometheus=self.prometheus_url,
+                         timings_stored=self.consumer.stored)
 
 
 def _selfcheck_failure(detail: str) -> Optional[str]:

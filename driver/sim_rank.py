@@ -5,19 +5,25 @@ real ranks write (`<run_dir>/flight-rank<R>.bin`); the "collective" completes on
 recorder shows it entered the same step, so a stopped or dead rank stalls the others exactly where
 a real collective would, and the driver's hang localisation sees a real picture.
 
+Each step also appends a StepTimings line to `<run_dir>/timings-rank<R>.jsonl`, like
+`megascale.launch.train_rank`, so the executor's timings pipeline has something to ship.
+
 Env: SIM_STEP_S (seconds per step). With checkpoint.uri set it "checkpoints" every
 checkpoint.every steps into `<uri>/sim-step` and resumes from there, so restarts lose work the way
 real ones do.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from megascale.executor.rank import Progress, RankSpec, die_with_parent
+
 from megascale.parallel.flight_recorder import FlightRecorder, read_records
 
 
@@ -26,6 +32,23 @@ def entered(path: Path, seq: int) -> bool:
         return any(r.seq >= seq for r in read_records(path))
     except (OSError, ValueError, IndexError, struct.error):
         return False  # not created yet, or being truncated by a restarting peer
+
+
+def step_timings(spec: RankSpec, step: int, start: float, total: float) -> dict:
+    """A StepTimings dict (megascale.timers) for a stand-in step: all of it `forward`, no waiting."""
+    par = spec.config.get("parallelism", {})
+    tp, dp = int(par.get("tp", 1)), int(par.get("dp", 1))
+    return {"step": step, "rank": spec.rank, "tp": spec.rank % tp, "dp": spec.rank // tp % dp,
+            "pp": spec.rank // (tp * dp), "start": start, "total": total, "segments": {"forward": total}}
+
+
+def timings_file(spec: RankSpec) -> IO[str]:
+    return open(Path(spec.run_dir) / f"timings-rank{spec.rank}.jsonl", "a")
+
+
+def write_line(f: IO[str], record: dict) -> None:
+    f.write(json.dumps(record) + "\n")
+    f.flush()  # whole lines only: the executor tails this file
 
 
 def main() -> int:
@@ -41,14 +64,16 @@ def main() -> int:
     recorder = FlightRecorder(run_dir / f"flight-rank{spec.rank}.bin", capacity=64)
     peers = [run_dir / f"flight-rank{r}.bin" for r in range(spec.world_size) if r != spec.rank]
     progress.write({"state": "running", "restored_step": start})
+    timings = timings_file(spec)
     for step in range(start + 1, steps + 1):
-        began = time.monotonic()
+        began, wall = time.monotonic(), time.time()
         time.sleep(step_s)
         slot = recorder.begin("all_reduce", "dp:0", spec.world_size)
         seq = step - start
         while not all(entered(p, seq) for p in peers):
             time.sleep(0.01)
         recorder.end(slot)
+        write_line(timings, step_timings(spec, step, wall, time.monotonic() - began))
         if mark and ckpt.get("every") and step % ckpt["every"] == 0 and spec.rank == 0:
             mark.parent.mkdir(parents=True, exist_ok=True)
             tmp = mark.with_suffix(".tmp")

@@ -156,7 +156,9 @@ class JobStatus:
     ettr: Optional[float] = None  # effective training time ratio, 0-1
     mttr_s: Optional[float] = None  # mean time to recovery over finished recoveries
     recoveries: list[dict] = field(default_factory=list)
-    stragglers: list[str] = field(default_factory=list)
+    stragglers: list[str] = field(default_factory=list)  # one line per straggler finding (stragglers.describe)
+    prometheus: Optional[str] = None  # the driver's /metrics URL; None when control.prometheus_port is -1
+    timings_stored: int = 0  # step-timing rows the driver wrote to <run_dir>/metrics
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobStatus":

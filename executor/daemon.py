@@ -1,5 +1,9 @@
 """The executor's loop: read commands (Redis), run them, watch ranks, heartbeat (Kafka).
 
+It also ships its ranks' per-step timings (`<run_dir>/timings-rank<R>.jsonl`) to
+`<job>.metrics` through one `MetricsPublisher`, which batches on its own thread and drops
+rather than block: telemetry never stalls the heartbeat.
+
 One thread on purpose: a command and a heartbeat never race over the ranks, and the loop's
 cadence (at most `POLL_S` between looks at the ranks) bounds how stale a heartbeat can be.
 """
@@ -19,9 +23,20 @@ from typing import Optional
 import redis
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
+from megascale.executor.metrics_publisher import MetricsPublisher
+from megascale.messages import JsonlTail
 
 from megascale.messages import (
-    Ack, Command, Heartbeat, MessageError, Metric, acks_key, command_stream, decode, encode, topic,
+    Ack,
+    Command,
+    Heartbeat,
+    MessageError,
+    Metric,
+    acks_key,
+    command_stream,
+    decode,
+    encode,
+    topic,
 )
 
 from . import log
@@ -55,6 +70,8 @@ class Executor:
         self._redis_down_since: Optional[float] = None
         self._stop = False
         self._next_heartbeat = 0.0
+        self.timings = MetricsPublisher(job, node, kafka)
+        self._tail = JsonlTail()
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -73,6 +90,7 @@ class Executor:
                     self._execute(cmd)
                 changed = self.group.poll() if self.group else False
                 self._publish_metrics()
+                self._publish_timings()
                 if changed:
                     self._heartbeat()
                 self._heartbeat_if_due()
@@ -85,6 +103,8 @@ class Executor:
                 self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
             self.phase = "exiting"
             self._heartbeat()
+            self._publish_timings()  # the last steps' lines, then send what is queued
+            self.timings.close(timeout=3)
             if self._producer:
                 self._producer.close(timeout=2)
         log.info("node %s exiting", self.node)
@@ -164,8 +184,11 @@ class Executor:
         spec = RankSpec(job=self.job, node=self.node, incarnation=incarnation, world_size=int(args["world_size"]),
                         config=config, run_dir=args["run_dir"], init_method=args["init_method"],
                         resume=bool(args.get("resume")))
-        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env)
         self.run_dir = Path(args["run_dir"])
+        for rank in args["ranks"]:  # files grow across incarnations: ship only what this one writes
+            path = self._timings_path(rank)
+            self._tail.offsets[path] = path.stat().st_size if path.exists() else 0
+        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env)
         self.phase = "running"
         return True, f"started ranks {args['ranks']} of incarnation {incarnation}"
 
@@ -290,6 +313,18 @@ class Executor:
             except (KeyError, TypeError, ValueError):
                 continue  # a rank wrote a line without the step statistics; nothing to publish
             self._send("metrics", encode(metric))
+
+
+    def _timings_path(self, rank: int) -> Path:
+        assert self.run_dir is not None
+        return self.run_dir / f"timings-rank{rank}.jsonl"  # where megascale.launch.train_rank writes them
+
+    def _publish_timings(self) -> None:
+        if not self.group or self.run_dir is None:
+            return
+        incarnation = self.group.incarnation
+        for rec in self._tail.read(self._timings_path(p.rank) for p in self.group.procs):
+            self.timings.publish({**rec, "incarnation": incarnation})
 
 
 def _brief(args: dict) -> str:

@@ -5,6 +5,7 @@ one node's messages stay in order within a partition:
 
     <job>.heartbeats  Heartbeat  each executor, every control.heartbeat_s and at once on a rank change
     <job>.metrics     Metric     one per training step, from the node hosting the reporting rank
+                      Timings    batches of every local rank's per-step timer segments (StepTimings dicts)
     <job>.events      Event      the driver's decisions: state changes, faults, commands, nodes
 
 Commands travel through Redis, not Kafka, because a broker restart loses Kafka's data and a
@@ -24,7 +25,8 @@ import json
 import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from pathlib import Path
+from typing import Any, Iterable, Literal, Optional, Union
 
 SCHEMA_VERSION = 1
 
@@ -37,6 +39,10 @@ EventType = Literal["state", "fault", "command", "node", "info"]
 
 class MessageError(ValueError):
     """A record that is not a valid message of this schema; the text says why, in one line."""
+
+
+class WrongKind(MessageError):
+    """A valid-looking record of another kind than the reader asked for (topics carry several kinds)."""
 
 
 @dataclass
@@ -110,6 +116,21 @@ class Metric:
 
 
 @dataclass
+class Timings:
+    """A batch of StepTimings dicts (`megascale.timers`) from one node's ranks, on `<job>.metrics`.
+
+    Records stay plain dicts: their segments may grow without a schema change, and readers check
+    what they need (`valid_timings`)."""
+    job: str
+    node: str
+    time: float  # sender's wall clock when the batch left
+    records: list[dict]
+    incarnation: Optional[int] = None
+    dropped: int = 0  # records the sender dropped (queue full) since its previous batch
+    kind: Literal["timings"] = "timings"
+
+
+@dataclass
 class Event:
     job: str
     type: EventType
@@ -145,8 +166,9 @@ class Ack:
     kind: Literal["ack"] = "ack"
 
 
-Message = Union[Heartbeat, Metric, Event, Command, Ack]
-KINDS: dict[str, type] = {"heartbeat": Heartbeat, "metric": Metric, "event": Event, "command": Command, "ack": Ack}
+Message = Union[Heartbeat, Metric, Timings, Event, Command, Ack]
+KINDS: dict[str, type] = {"heartbeat": Heartbeat, "metric": Metric, "timings": Timings, "event": Event,
+                          "command": Command, "ack": Ack}
 
 
 # -- names ----------------------------------------------------------------------------------
@@ -186,7 +208,7 @@ def decode(raw: bytes | str, expect: Optional[type] = None) -> Message:
     if cls is None:
         raise MessageError(f"unknown kind {obj.get('kind')!r}")
     if expect is not None and cls is not expect:
-        raise MessageError(f"a {obj['kind']}, expected a {expect.__name__.lower()}")
+        raise WrongKind(f"a {obj['kind']}, expected a {expect.__name__.lower()}")
     return _build(cls, obj, obj["kind"])
 
 
@@ -302,3 +324,45 @@ def _ok(convert: Any, value: Any) -> bool:
         return True
     except _Bad:
         return False
+
+
+def valid_timings(rec: Any) -> bool:
+    """Whether `rec` has what every reader needs of a StepTimings dict."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("segments"), dict):
+        return False
+    ints = all(type(rec.get(k)) is int for k in ("step", "rank", "tp", "pp", "dp"))
+    return ints and all(isinstance(rec.get(k), (int, float)) for k in ("start", "total"))
+
+
+def as_timings(line: dict) -> Optional[dict]:
+    """A StepTimings dict from a JSONL line that holds one directly or a StepStats with `timings`."""
+    rec = line.get("timings") if isinstance(line.get("timings"), dict) else line
+    return rec if valid_timings(rec) else None
+
+
+class JsonlTail:
+    """StepTimings dicts from the new whole lines of growing JSONL files (a half-written last line
+    waits for the next read). The executor tails its ranks' `timings-rank<R>.jsonl` with it."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+
+    def read(self, paths: Iterable[Path]) -> list[dict]:
+        out = []
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets.get(path, 0))
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            end = chunk.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for line in chunk[:end].splitlines():
+                try:
+                    rec = as_timings(json.loads(line))
+                except ValueError:
+                    continue
+                if rec is not None:
+                    out.append(rec)
+        return out

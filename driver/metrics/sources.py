@@ -9,7 +9,7 @@ from typing import Optional, Protocol
 
 import yaml
 
-from .schema import JsonlTail
+from megascale.messages import JsonlTail
 from .store import ParquetStore
 
 
@@ -95,10 +95,14 @@ def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Opti
                                     f"name one of them")
         return ParquetSource(store, job)
     if job:
-        candidates = sorted((p for p in Path(runs_root).glob(f"{job}-*") if any(p.glob("timings-rank*.jsonl"))),
+        candidates = sorted((p for p in Path(runs_root).glob(f"{job}-*")
+                             if any(p.glob("timings-rank*.jsonl")) or (p / "metrics" / f"job={job}").is_dir()),
                             key=lambda p: p.stat().st_mtime)
         if candidates:
-            return RunDirSource(candidates[-1])
+            newest = candidates[-1]
+            if (newest / "metrics" / f"job={job}").is_dir():  # a driver runs it: its store has the live status
+                return ParquetSource(ParquetStore(newest / "metrics"), job)
+            return RunDirSource(newest)
         raise FileNotFoundError(f"no run of job {job!r} with per-rank timings under {runs_root}/; "
                                 f"pass --run-dir RUN or --parquet DIR")
     raise FileNotFoundError("name a JOB, --run-dir RUN or --parquet DIR")

@@ -263,6 +263,7 @@ class MetricsConsumer(threading.Thread):
         self.dropped_by_senders = 0  # records publishers reported dropping (their queue was full)
         self.ignored = 0  # malformed records, or other jobs'
         self.newest_step = -1
+        self.taken = 0  # records read off the topic, stored or not
         self.error: Optional[str] = None
 
     def run(self) -> None:
@@ -292,6 +293,7 @@ class MetricsConsumer(threading.Thread):
             reader.close()
 
     def _take(self, raw: bytes) -> None:
+        self.taken += 1
         try:
             batch = decode(raw)
         except RecordError as e:
@@ -306,7 +308,8 @@ class MetricsConsumer(threading.Thread):
             return
         self.dropped_by_senders += batch.dropped
         for r in batch.records:
-            self._buffer.append({**r, "node": batch.node, "incarnation": batch.incarnation})
+            # A record's own incarnation wins: one executor's publisher spans several incarnations.
+            self._buffer.append({"node": batch.node, "incarnation": batch.incarnation, **r})
 
     def _flush(self, reader) -> None:
         if self._buffer:
@@ -322,3 +325,12 @@ class MetricsConsumer(threading.Thread):
     def stop(self, timeout: float = 10.0) -> None:
         self._halt.set()
         self.join(timeout)
+
+    def drain(self, quiet_s: float = 1.5, timeout: float = 10.0) -> None:
+        """Stops once the topic has been quiet for `quiet_s` (the senders are done), storing what was read."""
+        deadline, seen, since = time.monotonic() + timeout, -1, time.monotonic()
+        while self.is_alive() and time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+            if self.taken != seen:
+                seen, since = self.taken, time.monotonic()
+            time.sleep(0.1)
+        self.stop(max(1.0, deadline - time.monotonic()))

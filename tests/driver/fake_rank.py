@@ -2,12 +2,14 @@
 
 The executor runs it instead of the training entry point when MEGASCALE_RANK_ENTRY points here.
 FAKE_STEP_S: seconds per step. FAKE_FAIL: "RANK:STEP" makes that rank raise at that step in
-incarnation 1 only (a restart then succeeds).
+incarnation 1 only (a restart then succeeds). FAKE_SLOW_RANK: that rank's steps take 3x as
+long in its timings file (`<run_dir>/timings-rank<R>.jsonl`), a straggler for the detector.
 """
 import os
 import sys
 import time
 
+from megascale.driver.sim_rank import step_timings, timings_file, write_line
 from megascale.executor.rank import Progress, RankSpec, die_with_parent
 
 spec = RankSpec.load(sys.argv[1])
@@ -16,9 +18,13 @@ progress = Progress(spec.progress_path)
 steps = spec.config["train"]["steps"]
 step_s = float(os.environ.get("FAKE_STEP_S", "0.2"))
 fail_rank, _, fail_step = os.environ.get("FAKE_FAIL", "-1:-1").partition(":")
+slow = spec.rank == int(os.environ.get("FAKE_SLOW_RANK", "-1"))
+timings = timings_file(spec)
 progress.write({"state": "running"})
 for step in range(1, steps + 1):
+    wall = time.time()
     time.sleep(step_s)
+    write_line(timings, step_timings(spec, step, wall, step_s * (3 if slow else 1)))
     if spec.rank == int(fail_rank) and step == int(fail_step) and spec.incarnation == 1:
         raise RuntimeError(f"injected failure at step {step}")
     if spec.rank == spec.world_size - 1:  # one reporting rank, like train_rank

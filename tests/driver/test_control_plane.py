@@ -11,15 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from kafka import KafkaProducer
-
-from megascale.cli import main
+from megascale.driver.metrics.store import ParquetStore
 from megascale.driver.services import JobHandle, pid_alive, port_open
 from megascale.driver.state import JobState, JobStore, status_view
+
+from megascale.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -190,3 +192,28 @@ def test_run_trains_gpt_across_two_nodes(tmp_path, monkeypatch):
         "n0": {"succeeded": 2}, "n1": {"succeeded": 2}}
     Job.assert_services_gone(type("J", (), {"handle": handle})())
     print(f"gpt-nodes: 2 nodes x 2 ranks + 1 spare, 4 steps in {time.monotonic() - started:.1f} s")
+
+
+def test_timings_reach_the_store_stragglers_status_and_prometheus(tmp_path, capsys, wait, monkeypatch):
+    monkeypatch.setenv("FAKE_SLOW_RANK", "1")  # rank 1's timings say 3x its peers: a straggler on n0
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    job = launch(capsys, job_yaml(tmp_path, "cp-timings", steps=40), "cp-timings")
+    status = wait(lambda: job.status().get("stragglers") and job.status(), 60, "a straggler in the status")
+    assert status["stragglers"][0].startswith("straggler: rank 1 on n0 ") and status["prometheus"]
+    with urllib.request.urlopen(status["prometheus"], timeout=5) as reply:
+        scraped = reply.read().decode()
+    assert 'megascale_straggler_slowdown_ratio{job="cp-timings",rank="1",node="n0"' in scraped
+    assert "megascale_rank_step_seconds" in scraped
+    shown = cli(capsys, "status", "cp-timings")
+    assert "straggler: rank 1 on n0" in shown and "ETTR" in shown and "recoveries 0" in shown
+
+    final = wait(job.ended, 60, "the job to end")
+    assert final["state"] == "Succeeded" and final["timings_stored"] == 4 * 40, final
+    store = ParquetStore(Path(job.handle.run_dir) / "metrics")
+    rows = store.read("cp-timings")
+    assert len(rows) == 4 * 40 and {r["node"] for r in rows} == {"n0", "n1"}
+    assert {r["incarnation"] for r in rows} == {1}
+    assert store.read_status("cp-timings")["stragglers"]  # what `megascale dashboard` shows
+    log = Path(job.handle.run_dir, "driver.log").read_text()
+    assert "event: straggler: rank 1 on n0" in log
+    job.assert_services_gone()

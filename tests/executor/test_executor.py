@@ -11,7 +11,7 @@ from megascale.config import from_dict
 from megascale.driver.bus import TopicReader
 from megascale.executor.env import DEFAULT_COMM_ENV, comm_env
 from megascale.executor.ranks import classify
-from megascale.messages import Ack, Command, Heartbeat, Metric, acks_key, command_stream, decode, encode, topic
+from megascale.messages import Ack, Command, Heartbeat, Metric, Timings, acks_key, command_stream, decode, encode, topic
 
 def test_error_lines_are_classified():
     assert classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"
@@ -114,7 +114,14 @@ def test_executor_runs_commands_and_heartbeats(redis_server, broker, tmp_path, w
 
     metrics = TopicReader(broker.bootstrap, topic("j", "metrics"))
     try:
-        got = wait(lambda: [decode(m.value, expect=Metric) for m in metrics.poll(200)], 10, "metrics")
-        assert {m.rank for m in got} == {1} and got[0].step == 1
+        seen: list = []  # the topic carries both kinds: a Metric from the reporting rank, Timings from every rank
+
+        def both():
+            seen.extend(decode(m.value) for m in metrics.poll(200))
+            return {type(m) for m in seen} >= {Metric, Timings} and seen
+        got = wait(both, 10, "metrics and timings")
+        assert {m.rank for m in got if isinstance(m, Metric)} == {1}
+        timings = [r for m in got if isinstance(m, Timings) for r in m.records]
+        assert {r["rank"] for r in timings} >= {1} and all(r["incarnation"] >= 1 for r in timings)
     finally:
         metrics.close()

@@ -15,9 +15,14 @@ from megascale.messages import (
     MessageError,
     Metric,
     RankStatus,
+    Timings,
+    WrongKind,
     decode,
     encode,
 )
+
+TIMING = {"step": 5, "rank": 3, "tp": 1, "pp": 0, "dp": 1, "start": 10.0, "total": 0.05,
+          "segments": {"forward": 0.02, "backward": 0.02, "exposed_dp": 0.001}}
 
 
 def heartbeat(**over) -> Heartbeat:
@@ -34,6 +39,7 @@ def heartbeat(**over) -> Heartbeat:
     Event(job="j", type="state", message="Pending -> Initializing", state="Initializing", detail={"a": 1}),
     Command(job="j", node="n1", seq=4, op="start", args={"ranks": [2, 3]}),
     Ack(job="j", node="n1", seq=4, op="start", ok=True, detail="started"),
+    Timings(job="j", node="n1", time=3.0, incarnation=2, dropped=1, records=[TIMING]),
 ])
 def test_round_trip(msg):
     raw = encode(msg)
@@ -83,3 +89,13 @@ def test_expect_rejects_other_kinds():
     with pytest.raises(MessageError, match="a metric, expected a heartbeat"):
         decode(encode(Metric(job="j", node="n", rank=0, incarnation=1, step=1, loss=1.0, step_time=1.0,
                              tokens_per_s=1.0, time=0.0)), expect=Heartbeat)
+
+
+def test_timings_round_trip_defaults_and_kind_check():
+    raw = json.dumps({"v": 1, "kind": "timings", "job": "j", "node": "n0", "time": 1, "records": [TIMING]})
+    batch = decode(raw, expect=Timings)
+    assert (batch.incarnation, batch.dropped, batch.time, batch.records) == (None, 0, 1.0, [TIMING])
+    with pytest.raises(MessageError, match=r"timings.records\[0\]='5': expected dict"):
+        decode(raw.replace(json.dumps([TIMING]), "[5]"))
+    with pytest.raises(WrongKind):  # the metrics topic carries both kinds: readers skip the other one
+        decode(encode(batch), expect=Metric)

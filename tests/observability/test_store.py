@@ -7,12 +7,12 @@ import threading
 import time
 
 import pytest
-from megascale.driver.metrics.publisher import MetricsPublisher
-from megascale.driver.metrics.schema import SEGMENTS, TimingsBatch, decode, encode
+from megascale.executor.metrics_publisher import MetricsPublisher
+from megascale.driver.metrics.schema import SEGMENTS, decode, encode
 from megascale.driver.metrics.sources import RunDirSource
 from megascale.driver.metrics.store import MetricsConsumer, ParquetStore
 
-from megascale.messages import Metric, topic
+from megascale.messages import Metric, Timings, topic
 from megascale.messages import encode as encode_message
 
 
@@ -130,7 +130,8 @@ def test_publisher_never_blocks_the_step_and_counts_what_it_drops(real_run):
 
 
 def test_batch_encoding_round_trips_and_skips_other_kinds(real_run):
-    batch = decode(encode(TimingsBatch(job="demo", node="node1", records=real_run[:3], incarnation=2, dropped=5)))
+    batch = decode(encode(Timings(job="demo", node="node1", time=1.0, records=real_run[:3], incarnation=2,
+                                 dropped=5)))
     assert (batch.job, batch.node, batch.incarnation, batch.dropped) == ("demo", "node1", 2, 5)
     assert batch.records == real_run[:3]
     assert decode(b'{"v":1,"kind":"metric"}') is None

@@ -12,9 +12,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
-from megascale.messages import topic
+from megascale.messages import Timings, encode, topic
 
-from .schema import TimingsBatch, encode
 
 log = logging.getLogger("megascale.driver")
 
@@ -127,7 +126,8 @@ class MetricsPublisher:
     def _send(self, batch: list[dict]) -> bool:
         with self._lock:
             dropped = self.dropped - self._dropped_reported
-        msg = TimingsBatch(job=self.job, node=self.node, records=batch, incarnation=self.incarnation, dropped=dropped)
+        msg = Timings(job=self.job, node=self.node, time=time.time(), records=batch, incarnation=self.incarnation,
+                      dropped=dropped)
         try:
             if self._sender is None:
                 self._sender = KafkaSender(self._bootstrap)  # type: ignore[arg-type]
