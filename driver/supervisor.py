@@ -80,6 +80,11 @@ class Supervisor:
             self._stop_driver()
             if store is not None:
                 self._stop_leftover_nodes(store, services, run_dir)
+            if self.cfg.checkpoint.uri and self.cfg.cluster.backend == "local":
+                # The job is over: no restart will restore from the node's host-memory snapshots.
+                from megascale.checkpoint import shutdown_keeper
+
+                shutdown_keeper(self.cfg.checkpoint.uri)
             final = _final_status(store)
             services.stop()
             if handle is not None:  # written last: a final status means everything is down
