@@ -1,0 +1,78 @@
+"""Shared by the conftests of tests/driver, tests/executor and tests/k8s: real services and real
+processes, with a check that every process a test started is gone after it.
+
+Each test gets its own MEGASCALE_HOME and a unique MEGASCALE_TEST_TAG in the environment; every
+process it starts (supervisor, driver, executors, ranks, Redis, tansu) inherits the tag, so
+the leak check finds exactly this test's processes and nobody else's.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megascale.driver.services import EmbeddedKafka
+from megascale.rendezvous.embedded import EmbeddedRedis
+
+FAKE_RANK = str(Path(__file__).parent / "driver" / "fake_rank.py")
+TAG = "MEGASCALE_TEST_TAG"
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(TAG) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Own MEGASCALE_HOME, fake ranks by default, and no process left behind."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG, tag)
+    monkeypatch.setenv("MEGASCALE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", FAKE_RANK)
+    monkeypatch.setenv("FAKE_STEP_S", "0.2")
+    yield tmp_path
+    deadline = time.monotonic() + 15
+    while (left := tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for proc in left:
+        proc.kill()  # ours by tag: clean up so one failure does not poison the next test
+    assert not left, f"processes left behind: {[' '.join(p.cmdline()[:4]) for p in left]}"
+
+
+@pytest.fixture
+def redis_server():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def broker():
+    kafka = EmbeddedKafka().start()
+    yield kafka
+    kafka.stop(kill=True)
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture
+def wait():
+    """`wait(predicate, timeout, what)`: the predicate's first truthy value, or a failure naming `what`."""
+    return wait_for
