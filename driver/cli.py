@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -53,8 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("status", "show jobs, or one job's state, progress and nodes", _status,
         (("job",), dict(nargs="?", help="job name; all jobs if omitted")),
         (("--json",), dict(action="store_true", help="print the job's status as JSON")))
-    add("pause", "stop a job's ranks and hold it until resume", _request("paused"), job)
-    add("resume", "restart a paused job's ranks", _request("running"), job)
+    kube = (("--kube",), dict(action="store_true",
+                              help="JOB is a TrainingJob ([NAMESPACE/]NAME): patch its spec.paused"))
+    add("pause", "stop a job's ranks and hold it until resume", _request("paused"), job, kube)
+    add("resume", "restart a paused job's ranks", _request("running"), job, kube)
     add("stop", "end a job: stop its nodes and services", _stop, job,
         (("--no-wait",), dict(action="store_true", help="return once the request is recorded")))
     add("evict", "take a node out of a job for good; a spare takes its place", _evict, job,
@@ -213,6 +216,15 @@ def _request(desired: str) -> Callable[[argparse.Namespace], int]:
     verb = {"paused": "pause", "running": "resume"}[desired]
 
     def request(args: argparse.Namespace) -> int:
+        if args.kube or os.environ.get("MEGASCALE_KUBE") == "1":  # the same request, through the CR
+            from .k8s.cli import KubeCommandError
+            from .k8s.cli import request as kube_request
+
+            try:
+                print(kube_request(args.job, desired == "paused"))
+            except KubeCommandError as e:
+                raise CommandError(str(e)) from None
+            return 0
         handle = _handle(args.job)
         store = _live_store(handle)
         rec = store.load()

@@ -280,7 +280,9 @@ class Driver:
         elif desired == "paused":
             self._pause(rec, "paused by user")
         elif self._all_succeeded(rec):
-            step = self._progress(rec).get("step")
+            # A rank exits 0 only after train.steps; a short last incarnation can end between heartbeats.
+            step = self._progress(rec).get("step") or self.cfg.train.steps
+            self._final_step = step
             self._move(rec, JobState.SUCCEEDED, f"trained to step {step}")
 
     def _recovering(self, rec: JobRecord, desired: str) -> None:

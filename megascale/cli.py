@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "megascale.diagnostics.cli",
     "megascale.driver.cli",
     "megascale.driver.metrics.cli",
+    "megascale.driver.k8s.cli",
 ]
 
 

@@ -73,7 +73,8 @@ class KubernetesBackend(Backend):
 
     def _pods(self) -> dict[str, dict]:
         pods = self.kube.list_pods(self.namespace, f"{spec.JOB_LABEL}={self.name}")
-        return {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in pods if spec.NODE_LABEL in p["metadata"].get("labels", {})}
+        return {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in pods
+                if spec.NODE_LABEL in p["metadata"].get("labels", {})}
 
     def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
         for node in nodes:

@@ -5,7 +5,8 @@
     megascale kube pause JOB / resume JOB  patch spec.paused: the very patch `kubectl patch --type merge` sends
     megascale kube status [JOB] [--json]   jobs and their status
 
-`megascale pause JOB` talks to a local job's Redis; with MEGASCALE_KUBE=1 it calls `request` here.
+`megascale pause JOB` talks to a local job's Redis; given --kube (or MEGASCALE_KUBE=1) it calls
+`request` here instead.
 Every failure is one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -20,15 +21,12 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-import urllib3
-from kubernetes.config import ConfigException
-from kubernetes.client.exceptions import ApiException
+if TYPE_CHECKING:
+    from .kube import Kube
 
-from .crd import crd, crd_yaml
-from .kube import Kube, connect, current_namespace, reason
-from .spec import ServiceDefaults
+# The Kubernetes client is imported by the commands, not here: every `megascale` command builds this parser.
 
 
 class KubeCommandError(Exception):
@@ -60,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--checkpoint-every-s", type=float, default=60.0, help="how often to list the checkpoints")
     op.add_argument("--missing-grace-s", type=float, default=30.0, help="a pod missing this long is a failed node")
     op.add_argument("--driver-log-dir", type=Path, help="one log file per job's driver (default: this stderr)")
+    op.add_argument("--run-dir", help="the ranks' run directory in the pods (default /var/lib/megascale/run)")
     for verb, paused in (("pause", True), ("resume", False)):
         add(verb, f"{verb} a TrainingJob (spec.paused={str(paused).lower()})", _pause(paused)).add_argument(
             "job", help="TrainingJob name")
@@ -83,6 +82,11 @@ def _one_line(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[
 @contextlib.contextmanager
 def _plain_errors() -> Iterator[None]:
     """The client's exceptions as one line each."""
+    import urllib3
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+
+    from .kube import reason
     try:
         yield
     except ApiException as e:
@@ -94,6 +98,8 @@ def _plain_errors() -> Iterator[None]:
 
 
 def _kube(args: argparse.Namespace) -> tuple[Kube, str]:
+    from .kube import Kube, connect, current_namespace
+
     namespace = args.namespace or current_namespace(args.kubeconfig, args.context)
     return Kube(connect(args.kubeconfig, args.context)), namespace
 
@@ -110,6 +116,8 @@ def _get(kube: Kube, namespace: str, name: str) -> dict:
 # -- commands ----------------------------------------------------------------------------------
 
 def _apply_crd(args: argparse.Namespace) -> int:
+    from .crd import crd, crd_yaml
+
     if args.print:
         sys.stdout.write(crd_yaml())
         return 0
@@ -120,7 +128,9 @@ def _apply_crd(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace) -> int:
+    from .kube import Kube, connect, current_namespace
     from .operator import Operator
+    from .spec import ServiceDefaults
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
@@ -130,7 +140,7 @@ def _operator(args: argparse.Namespace) -> int:
     operator = Operator(kube, namespace, ServiceDefaults(args.redis, args.kafka), kubeconfig=args.kubeconfig,
                         tick_s=args.tick_s, status_every_s=args.status_every_s,
                         checkpoint_every_s=args.checkpoint_every_s, missing_grace_s=args.missing_grace_s,
-                        driver_log=args.driver_log_dir)
+                        driver_log=args.driver_log_dir, **({"run_dir": args.run_dir} if args.run_dir else {}))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: operator.stop())
     operator.run()
@@ -140,8 +150,13 @@ def _operator(args: argparse.Namespace) -> int:
 def request(job: str, paused: bool, namespace: Optional[str] = None, kubeconfig: Optional[str] = None,
             context: Optional[str] = None) -> str:
     """Pauses or resumes a TrainingJob as `kubectl patch trainingjob JOB --type merge -p
-    '{"spec":{"paused":true}}'` does; returns the line to print. Any failure: KubeCommandError."""
+    '{"spec":{"paused":true}}'` does; JOB may be NAMESPACE/NAME. Returns the line to print; any
+    failure raises KubeCommandError."""
+    if "/" in job:
+        namespace, job = job.split("/", 1)
     with _plain_errors():
+        from .kube import Kube, connect, current_namespace
+
         kube = Kube(connect(kubeconfig, context))
         namespace = namespace or current_namespace(kubeconfig, context)
         phase = (_get(kube, namespace, job).get("status") or {}).get("phase", "Pending")

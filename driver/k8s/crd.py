@@ -13,9 +13,9 @@ import typing
 from typing import Any, Literal, Union
 
 import yaml
+from megascale.driver.state import JobState
 
 from megascale.config import JobConfig
-from megascale.driver.state import JobState
 
 from .spec import DEVICE_RESOURCE, GROUP, KIND, PLURAL, POLICY, SPEC_OWNED, VERSION
 
@@ -110,8 +110,8 @@ def spec_schema() -> dict:
         "imagePullPolicy": _str(enum=["Always", "IfNotPresent", "Never"]),
         "nodes": _int(1, 100000, "active nodes: one executor pod each"),
         "devicesPerNode": _int(1, 64, "ranks per node, one per device"),
-        "deviceResource": _str(f"extended resource each pod requests devicesPerNode of; \"\" requests none "
-                               f"(CPU ranks)", default=DEVICE_RESOURCE),
+        "deviceResource": _str("extended resource each pod requests devicesPerNode of; \"\" requests none "
+                               "(CPU ranks)", default=DEVICE_RESOURCE),
         "parallelism": _obj({k: _int(1, 100000, default=1) for k in ("tp", "pp", "dp")},
                             description="tp * pp * dp must equal nodes * devicesPerNode"),
         "spares": _int(0, 1000, "hot spare nodes (running executors without ranks) that replace evicted ones",

@@ -112,8 +112,9 @@ class Kube:
     def delete_pod(self, namespace: str, name: str, grace_s: Optional[float] = None) -> bool:
         """False when it was gone already."""
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=None if grace_s is None else int(grace_s),
-                                            _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
+            grace = None if grace_s is None else int(grace_s)
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace, _preload_content=False,
+                                            _request_timeout=REQUEST_TIMEOUT_S)
             return True
         except ApiException as e:
             if e.status == 404:
@@ -132,7 +133,11 @@ class Kube:
         if self._create(create, namespace, body):
             return
         name, ours = body["metadata"]["name"], body["metadata"]["labels"]
-        labels = ((self._get(read, name, namespace) or {}).get("metadata") or {}).get("labels") or {}
+        existing = self._get(read, name, namespace)
+        if existing is None:  # deleted in between
+            self._create(create, namespace, body)
+            return
+        labels = existing["metadata"].get("labels") or {}
         if any(labels.get(k) != ours[k] for k in (JOB_LABEL, *MANAGED_BY)):
             raise SpecError(f"metadata.name: a {kind} {namespace}/{name} exists that the megascale operator did not "
                             f"make for this job; rename the TrainingJob or that {kind}")
@@ -226,6 +231,8 @@ class Informer:
             except Exception as e:  # noqa: BLE001 - any failure: relist after a pause, as client-go does
                 if self._stop.is_set():
                     return
+                if isinstance(e, ApiException) and e.status == 410:
+                    continue  # our resourceVersion was compacted away: relist at once, nothing is wrong
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
                     log.warning("watch of %s failed (%s); relisting", self.what,
@@ -249,8 +256,9 @@ class Informer:
     def _watch_from(self, version: str) -> str:
         """Watches until the server ends the stream (its timeout); returns the last resourceVersion seen."""
         self._watch = watch.Watch()
+        # Bookmarks keep `version` fresh on quiet collections, so a re-watch rarely meets 410 Gone.
         for event in self._watch.stream(self.list_call, **self.kwargs, resource_version=version,
-                                        timeout_seconds=self.watch_timeout_s,
+                                        allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s,
                                         _request_timeout=self.watch_timeout_s + REQUEST_TIMEOUT_S):
             if self._stop.is_set():
                 break

@@ -28,11 +28,27 @@ from megascale.config import from_dict
 
 from .. import log
 from ..state import JobRecord, JobState, JobStore
-from . import health, status as job_status
+from . import health
+from . import status as job_status
 from .backend import K8sState
 from .kube import Informer, Kube
-from .spec import (GROUP, JOB_LABEL, MANAGED_BY, NODE_LABEL, PLURAL, RUN_DIR, VERSION, ServiceDefaults, SpecError,
-                   base_config, config_map, job_config, job_id, service)
+from .spec import (
+    GROUP,
+    JOB_LABEL,
+    MANAGED_BY,
+    NODE_LABEL,
+    PLURAL,
+    RUN_DIR,
+    VERSION,
+    ServiceDefaults,
+    SpecError,
+    base_config,
+    config_map,
+    job_config,
+    job_id,
+    service,
+    services,
+)
 
 DRIVER_RESTARTS = 5  # within RESTART_WINDOW_S; then the operator waits for the window to pass
 RESTART_WINDOW_S = 60.0
@@ -71,8 +87,10 @@ class Runtime:
 class Operator:
     def __init__(self, kube: Kube, namespace: Optional[str], defaults: ServiceDefaults, *,
                  kubeconfig: Optional[str] = None, tick_s: float = 1.0, status_every_s: float = 5.0,
-                 checkpoint_every_s: float = 60.0, missing_grace_s: float = 30.0, driver_log: Optional[Path] = None):
+                 checkpoint_every_s: float = 60.0, missing_grace_s: float = 30.0, driver_log: Optional[Path] = None,
+                 run_dir: str = RUN_DIR):
         self.kube, self.namespace, self.defaults, self.kubeconfig = kube, namespace, defaults, kubeconfig
+        self.run_dir = run_dir  # the ranks' run directory in every pod (and the drivers' timings store here)
         self.tick_s, self.status_every_s = tick_s, status_every_s
         self.checkpoint_every_s, self.missing_grace_s = checkpoint_every_s, missing_grace_s
         self.driver_log = driver_log
@@ -139,8 +157,8 @@ class Operator:
             try:
                 self.reconcile(cr, pods.get(key, {}), machines)
             except Exception as e:  # noqa: BLE001 - one job's trouble (its Redis, say) must not stop the others
-                self._say(key, f"{key[0]}/{key[1]}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
-                          error=e)
+                first = (str(e).strip().splitlines() or [""])[0]
+                self._say(key, f"{key[0]}/{key[1]}: {type(e).__name__}: {first}", error=e)
 
     def reconcile(self, cr: dict, pods: dict[str, dict], machines: dict[str, dict]) -> None:
         meta, spec = cr["metadata"], cr.get("spec") or {}
@@ -176,16 +194,16 @@ class Operator:
         meta, spec, previous = cr["metadata"], cr["spec"], cr.get("status") or {}
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         try:
-            cfg = job_config(cr, base_config(spec, lambda cm: self.kube.config_map_data(namespace, cm)), self.defaults)
-        except SpecError as e:
-            self._invalid(cr, str(e))
-            return None
-        store = JobStore.from_url(cfg.services.redis, job_id(namespace, name))
-        state = K8sState(store.r, store.job)
-        rec = store.load()
-        resuming = rec is not None and state.uid() == uid
-        try:  # before anything starts: a name taken by someone else's Service stops the job here
-            self.kube.apply_owned("ConfigMap", namespace, config_map(cr, from_dict(rec.config) if resuming else cfg))
+            redis_url, kafka = services(spec, self.defaults)
+            store = JobStore.from_url(redis_url, job_id(namespace, name))
+            state = K8sState(store.r, store.job)
+            rec = store.load()
+            resuming = rec is not None and state.uid() == uid
+            # A job that runs already keeps the config it was submitted with, whatever became of its source.
+            cfg = from_dict(rec.config) if resuming else job_config(
+                cr, base_config(spec, lambda cm: self.kube.config_map_data(namespace, cm)), self.defaults, self.run_dir)
+            # Before anything starts: a name taken by someone else's Service stops the job here.
+            self.kube.apply_owned("ConfigMap", namespace, config_map(cr, cfg))
             self.kube.apply_owned("Service", namespace, service(cr))
         except SpecError as e:
             self._invalid(cr, str(e))
@@ -198,11 +216,11 @@ class Operator:
         else:
             state.wipe()  # whatever an older job of this name left
             state.set_uid(uid)
-            rec, _ = store.submit(JobRecord(job=store.job, config=cfg.to_dict(), run_dir=RUN_DIR))
+            rec, _ = store.submit(JobRecord(job=store.job, config=cfg.to_dict(), run_dir=self.run_dir))
             paused = None
             log.info("job %s: submitted (%d nodes, %d spares)", store.job, cfg.cluster.nodes, cfg.cluster.spares)
         self._said.pop((namespace, name), None)
-        return Runtime(namespace, name, uid, store, state, cfg.services.redis, cfg.services.kafka, paused, previous,
+        return Runtime(namespace, name, uid, store, state, redis_url, kafka, paused, previous,
                        checkpoint=previous.get("lastCheckpoint"))
 
     def _reseed(self, cr: dict, store: JobStore, state: K8sState, config: dict) -> JobRecord:
@@ -215,12 +233,12 @@ class Operator:
         state.wipe()
         state.set_uid(meta["uid"])
         state.add_evicted_hosts(*previous.get("evictedNodes", []))
-        rec = JobRecord(job=store.job, config=config, run_dir=RUN_DIR, incarnation=previous.get("incarnation", 0),
+        rec = JobRecord(job=store.job, config=config, run_dir=self.run_dir, incarnation=previous.get("incarnation", 0),
                         restarts=previous.get("restarts", 0), next_node=previous.get("nextNode", 0),
                         reason="re-seeded from the TrainingJob status: its Redis record was lost")
         store.submit(rec)
-        log.warning("job %s: no record in Redis; re-seeded from its status (incarnation %d, restarts %d, next node n%d)",
-                    store.job, rec.incarnation, rec.restarts, rec.next_node)
+        log.warning("job %s: no record in Redis; re-seeded from its status (incarnation %d, restarts %d, "
+                    "next node n%d)", store.job, rec.incarnation, rec.restarts, rec.next_node)
         return rec
 
     def _invalid(self, cr: dict, message: str) -> None:
@@ -232,9 +250,10 @@ class Operator:
             return
         cond = {"type": "Valid", "status": "False", "reason": "InvalidSpec", "message": message,
                 "lastTransitionTime": job_status.iso(time.time())}
+        others = [c for c in previous.get("conditions") or [] if c.get("type") != "Valid"]
         self.kube.patch_job_status(meta["namespace"], meta["name"], {
-            "phase": JobState.PENDING.value, "reason": message, "observedGeneration": meta.get("generation"),
-            "conditions": [cond]})
+            "phase": previous.get("phase") or JobState.PENDING.value, "reason": message,
+            "observedGeneration": meta.get("generation"), "conditions": [*others, cond]})
 
     # -- 2. pause / resume ------------------------------------------------------------------------
 
@@ -323,8 +342,8 @@ class Operator:
 
     def _write_status(self, rt: Runtime, cr: dict, rec: JobRecord, pods: dict[str, dict]) -> None:
         meta = cr["metadata"]
-        held = {"type": "EvictionHeld", "status": str(bool(rt.held)), "reason": "JobWideFailure" if rt.held else "None",
-                "message": rt.held}
+        held = {"type": "EvictionHeld", "status": str(bool(rt.held)),
+                "reason": "JobWideFailure" if rt.held else "NotHeld", "message": rt.held}
         valid = {"type": "Valid", "status": "True", "reason": "Submitted", "message": ""}
         new = job_status.build(
             rt.status, rec, rt.store.status(), generation=meta.get("generation"), paused=bool(rt.paused),

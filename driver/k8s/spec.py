@@ -29,7 +29,9 @@ HOSTNAME_KEY = "kubernetes.io/hostname"
 EVICTED_ANNOTATION = "megascale.io/evicted"
 
 WORK_DIR = "/var/lib/megascale/work"  # executor log and rank logs (emptyDir)
-RUN_DIR = "/var/lib/megascale/run"  # the ranks' run directory: metrics.jsonl, flight records (emptyDir)
+# The ranks' run directory (metrics.jsonl, timings, flight records), an emptyDir in each pod; the driver,
+# in the operator's pod, keeps its timings store under the same path.
+RUN_DIR = "/var/lib/megascale/run"
 CONFIG_DIR = "/etc/megascale"  # the resolved job config, for whoever reads a pod
 DEVICE_RESOURCE = "nvidia.com/gpu"
 
@@ -114,14 +116,15 @@ def base_config(spec: dict, read_config_map: Callable[[str], Optional[dict]]) ->
     return raw
 
 
-def job_config(cr: dict, base: dict, defaults: ServiceDefaults) -> JobConfig:
+def job_config(cr: dict, base: dict, defaults: ServiceDefaults, run_dir: str = RUN_DIR) -> JobConfig:
     """The JobConfig a TrainingJob runs: `base` (from `base_config`) under the fields the spec owns."""
     spec, meta = cr["spec"], cr["metadata"]
     source = config_source(spec)
     raw = copy.deepcopy(base)
     raw["name"] = job_id(meta["namespace"], meta["name"])
     parallelism = spec.get("parallelism") or {}
-    raw["parallelism"] = {**_section(raw, "parallelism", source), **{k: parallelism.get(k, 1) for k in ("tp", "pp", "dp")}}
+    raw["parallelism"] = {**_section(raw, "parallelism", source),
+                          **{k: parallelism.get(k, 1) for k in ("tp", "pp", "dp")}}
     raw["cluster"] = {"nodes": spec.get("nodes"), "ranks_per_node": spec.get("devicesPerNode"),
                       "spares": spec.get("spares", 0)}
     policy = spec.get("policy") or {}
@@ -130,16 +133,22 @@ def job_config(cr: dict, base: dict, defaults: ServiceDefaults) -> JobConfig:
     checkpoint = spec.get("checkpoint") or {}
     raw["checkpoint"] = {**_section(raw, "checkpoint", source),
                          **{k: checkpoint[k] for k in ("uri", "every", "keep") if k in checkpoint}}
-    services = spec.get("services") or {}
-    raw["services"] = {"redis": services.get("redis") or defaults.redis, "kafka": services.get("kafka") or defaults.kafka}
-    for key, value in raw["services"].items():
-        if not value:
-            raise SpecError(f"spec.services.{key}: not set, and the operator has no default (MEGASCALE_{key.upper()})")
-    raw["train"] = {**_section(raw, "train", source), "run_dir": RUN_DIR}
+    raw["services"] = dict(zip(("redis", "kafka"), services(spec, defaults)))
+    raw["train"] = {**_section(raw, "train", source), "run_dir": run_dir}
     try:
         return from_dict(raw)
     except ConfigError as e:
         raise SpecError(spec_message(str(e), source)) from None
+
+
+def services(spec: dict, defaults: ServiceDefaults) -> tuple[str, str]:
+    """(Redis URL, Kafka bootstrap) of a job: its spec's, else the operator's."""
+    named = spec.get("services") or {}
+    found = {"redis": named.get("redis") or defaults.redis, "kafka": named.get("kafka") or defaults.kafka}
+    for key, value in found.items():
+        if not value:
+            raise SpecError(f"spec.services.{key}: not set, and the operator has no default (MEGASCALE_{key.upper()})")
+    return found["redis"], found["kafka"]
 
 
 def _section(raw: dict, name: str, source: str) -> dict:
@@ -206,7 +215,7 @@ def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str]) -> dict
     container = {
         "name": "executor", "image": spec["image"], "command": ["python"], "args": args, "env": env,
         "resources": _resources(spec),
-        "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "run", "mountPath": RUN_DIR},
+        "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "run", "mountPath": launch.run_dir},
                          {"name": "shm", "mountPath": "/dev/shm"},
                          {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }

@@ -7,7 +7,7 @@ know after a restart (its last step, loss, ETTR) keeps the value the status held
 """
 from __future__ import annotations
 
-import calendar
+import math
 import time
 from typing import Optional
 
@@ -26,15 +26,6 @@ def iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-def parse_iso(text: Optional[str]) -> Optional[float]:
-    if not text:
-        return None
-    try:
-        return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        return None
-
-
 def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generation: Optional[int], paused: bool,
           evicted_hosts: list[str], hosts: dict[str, str], checkpoint: Optional[dict], extra_conditions: list[dict],
           name: str, now: float) -> dict:
@@ -43,12 +34,17 @@ def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generati
         "phase": rec.state.value, "reason": rec.reason, "paused": paused, "incarnation": rec.incarnation,
         "restarts": rec.restarts, "recoveries": len(rec.recoveries), "nextNode": rec.next_node,
         "startTime": previous.get("startTime") or iso(now), "lastSyncTime": iso(now),
-        "evictedNodes": list(evicted_hosts), "nodes": _nodes(rec, live, hosts, name),
+        "evictedNodes": list(evicted_hosts),
+        # A node's machine stays on record after its pod is gone: which machine did the evicted n1 use?
+        "nodes": _nodes(rec, live, {**{n["id"]: n.get("host") for n in previous.get("nodes") or []},
+                                    **{n: h for n, h in hosts.items() if h}}, name),
     }
     if generation is not None:
         status["observedGeneration"] = generation
     for key, field in PROGRESS.items():
         value = getattr(live, field, None) if live is not None else None
+        if isinstance(value, float) and not math.isfinite(value):
+            continue  # a NaN loss (the driver's fault, in `reason`) is not JSON: the API server would refuse it
         if value is not None:
             status[key] = value
         elif key in previous:
@@ -63,7 +59,8 @@ def _nodes(rec: JobRecord, live: Optional[JobStatus], hosts: dict[str, str], nam
     alive = {n.node: n.alive for n in live.nodes} if live else {}
     out = []
     for slot in rec.nodes:
-        node = {"id": slot.node, "role": slot.role, "pod": pod_name(name, slot.node), "alive": alive.get(slot.node, False)}
+        node = {"id": slot.node, "role": slot.role, "pod": pod_name(name, slot.node),
+                "alive": alive.get(slot.node, False)}
         if slot.index is not None:
             node["index"] = slot.index
         if hosts.get(slot.node):

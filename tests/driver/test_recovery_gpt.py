@@ -19,7 +19,7 @@ from megascale.driver.state import JobState
 
 from .test_control_plane import cli, launch
 
-STEPS = 12
+STEPS = 40
 
 
 def gpt_job(tmp_path: Path, name: str, cluster: bool) -> str:
