@@ -88,7 +88,7 @@ class JobRecord:
     suspects: list[str] = field(default_factory=list)  # nodes the current recovery self-checks
     bad: dict[str, str] = field(default_factory=dict)  # node -> why its self-check failed (current recovery)
     rechecked: list[str] = field(default_factory=list)  # nodes given their one retry (control.crashed_selfcheck)
-    recovery: Optional[dict] = None  # timings of the recovery in progress (see recovery.md: MTTR)
+    recovery: Optional[dict] = None  # timings of the recovery in progress (README, *MTTR and ETTR*)
     recoveries: list[dict] = field(default_factory=list)  # finished ones
     ideal_step_s: Optional[float] = None  # fastest typical step seen, for ETTR
 

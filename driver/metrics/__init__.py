@@ -1,2 +1,2 @@
 """Observability: per-rank step timings shipped over Kafka, stored as Parquet, searched for
-stragglers, served as a dashboard, a Chrome trace and Prometheus metrics (docs/observability.md)."""
+stragglers, served as a dashboard, a Chrome trace and Prometheus metrics (README, *Observability*)."""
