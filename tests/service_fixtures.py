@@ -7,14 +7,15 @@ the leak check finds exactly this test's processes and nobody else's.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from pathlib import Path
 
 import psutil
 import pytest
-
 from megascale.driver.services import EmbeddedKafka
+
 from megascale.rendezvous.embedded import EmbeddedRedis
 
 FAKE_RANK = str(Path(__file__).parent / "driver" / "fake_rank.py")
@@ -32,21 +33,28 @@ def tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """Own MEGASCALE_HOME, fake ranks by default, and no process left behind."""
+@contextlib.contextmanager
+def no_process_left(monkeypatch):
+    """Tags every process started inside with a fresh MEGASCALE_TEST_TAG; fails if one outlives it."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG, tag)
-    monkeypatch.setenv("MEGASCALE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", FAKE_RANK)
-    monkeypatch.setenv("FAKE_STEP_S", "0.2")
-    yield tmp_path
+    yield
     deadline = time.monotonic() + 15
     while (left := tagged(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     for proc in left:
         proc.kill()  # ours by tag: clean up so one failure does not poison the next test
     assert not left, f"processes left behind: {[' '.join(p.cmdline()[:4]) for p in left]}"
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Own MEGASCALE_HOME, fake ranks by default, and no process left behind."""
+    monkeypatch.setenv("MEGASCALE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", FAKE_RANK)
+    monkeypatch.setenv("FAKE_STEP_S", "0.2")
+    with no_process_left(monkeypatch):
+        yield tmp_path
 
 
 @pytest.fixture

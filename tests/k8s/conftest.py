@@ -3,8 +3,6 @@ and a check that no process a test started outlives it (found by a per-test envi
 from __future__ import annotations
 
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -14,21 +12,13 @@ sys.path.insert(0, str(Path(__file__).parent))  # the stand-ins, under --import-
 
 from fake_apiserver import FakeApiServer, kubeconfig  # noqa: E402
 from k8s_support import DEPLOY, NS, OPERATOR_USER, load_yaml  # noqa: E402
-
-from service_fixtures import TAG, tagged  # noqa: E402 - one leak check for every suite
+from service_fixtures import no_process_left  # noqa: E402 - one leak check for every suite
 
 
 @pytest.fixture(autouse=True)
 def no_leftovers(monkeypatch):
-    tag = uuid.uuid4().hex
-    monkeypatch.setenv(TAG, tag)
-    yield
-    deadline = time.monotonic() + 15
-    while (left := tagged(tag)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for proc in left:
-        proc.kill()  # ours by tag: clean up so one failure does not poison the next test
-    assert not left, f"processes left behind: {[' '.join(p.cmdline()[:4]) for p in left]}"
+    with no_process_left(monkeypatch):
+        yield
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Helpers the Kubernetes tests share (conftest.py holds the fixtures)."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import yaml
@@ -17,12 +16,4 @@ def load_yaml(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
-    """The predicate's first truthy value, or a failure naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+from service_fixtures import wait_for  # noqa: E402,F401 - one polling helper for every suite
