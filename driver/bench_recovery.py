@@ -20,7 +20,7 @@ import yaml
 from . import sim_rank
 from .chaos import inject
 from .services import JobHandle
-from .state import JobState, JobStore
+from .state import JobStore
 
 JOB = "bench-recovery"
 HEARTBEAT_S = 0.5
