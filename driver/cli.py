@@ -21,7 +21,7 @@ import redis
 from megascale.config import load_config
 
 from .services import JobHandle, home, pid_alive
-from .state import JobStore, status_view
+from .state import JobRecord, JobStore, status_view
 
 LAUNCH_WAIT_S = 60.0
 STOP_WAIT_S = 90.0
@@ -104,6 +104,15 @@ def _handle(job: str) -> JobHandle:
         hint = f" (known: {', '.join(known)})" if known else f" (none under {home()})"
         raise CommandError(f"no job named {job!r}{hint}; start one with `megascale run CONFIG`")
     return handle
+
+
+def _live_job(job: str) -> tuple[JobStore, JobRecord]:
+    """The store and record of a job that is still running; else a one-line reason."""
+    store = _live_store(_handle(job))
+    rec = store.load()
+    if rec is None or rec.terminal:
+        raise CommandError(f"job {job!r} has ended ({rec.state.value if rec else 'unknown'})")
+    return store, rec
 
 
 def _live_store(handle: JobHandle) -> JobStore:
@@ -225,11 +234,7 @@ def _request(desired: str) -> Callable[[argparse.Namespace], int]:
             except KubeCommandError as e:
                 raise CommandError(str(e)) from None
             return 0
-        handle = _handle(args.job)
-        store = _live_store(handle)
-        rec = store.load()
-        if rec is None or rec.terminal:
-            raise CommandError(f"job {args.job!r} has ended ({rec.state.value if rec else 'unknown'})")
+        store, rec = _live_job(args.job)
         store.set_desired(desired)  # type: ignore[arg-type]
         print(f"{verb} requested for job {args.job} (now {rec.state.value})")
         return 0
@@ -255,11 +260,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _evict(args: argparse.Namespace) -> int:
-    handle = _handle(args.job)
-    store = _live_store(handle)
-    rec = store.load()
-    if rec is None or rec.terminal:
-        raise CommandError(f"job {args.job!r} has ended")
+    store, rec = _live_job(args.job)
     in_service = [s.node for s in rec.nodes if s.role != "evicted"]
     if args.node not in in_service:
         raise CommandError(f"job {args.job} has no node {args.node!r} in service (nodes: {', '.join(in_service)})")
@@ -275,11 +276,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
     from .chaos import ChaosError, inject
 
-    handle = _handle(args.job)
-    store = _live_store(handle)
-    rec = store.load()
-    if rec is None or rec.terminal:
-        raise CommandError(f"job {args.job!r} has ended")
+    store, rec = _live_job(args.job)
     try:
         print(inject(store, args.kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint.uri))
     except ChaosError as e:

@@ -171,6 +171,18 @@ class JobHandle:
         return self.final is None and pid_alive(self.supervisor_pid)
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace_s`; reaps it either way."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def pid_alive(pid: Optional[int]) -> bool:
     if not pid:
         return False

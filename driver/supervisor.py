@@ -25,7 +25,7 @@ from megascale.config import ConfigError, JobConfig, load_config
 
 from . import log
 from .backend import NodeLaunch, make_backend
-from .services import JobHandle, Services, start_services
+from .services import JobHandle, Services, start_services, stop_process
 from .state import JobRecord, JobState, JobStore, status_view
 
 POLL_S = 0.5
@@ -150,14 +150,8 @@ class Supervisor:
         log.info("driver started (pid %d)", self.driver.pid)
 
     def _stop_driver(self) -> None:
-        if self.driver is None or self.driver.poll() is not None:
-            return
-        self.driver.terminate()
-        try:
-            self.driver.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.driver.kill()
-            self.driver.wait()
+        if self.driver is not None:
+            stop_process(self.driver, grace_s=10)
 
     def _stop_leftover_nodes(self, store: JobStore, services: Services, run_dir: Path) -> None:
         """Whatever happened to the driver, no node outlives the supervisor."""

@@ -62,6 +62,11 @@ def make_source(cfg: JobConfig, ctx: ParallelContext, ranks_per_node: Optional[i
                              ranks_per_node=ranks_per_node, run_dir=cfg.train.run_dir, vocab=cfg.model.vocab)
 
 
+def _microbatches(batch: torch.Tensor, count: int, device: torch.device) -> list[Optional[torch.Tensor]]:
+    # Middle pipeline stages receive empty tensors: they read activations, not tokens.
+    return [t.to(device) for t in batch.chunk(count)] if batch.numel() else [None] * count
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None,
                  ranks_per_node: Optional[int] = None):
@@ -92,9 +97,7 @@ class Trainer:
         microbatches = cfg.microbatches
         with timer.span("data"):
             input_ids, labels = self.source.next_batch()
-            # Middle pipeline stages receive empty tensors: they read activations, not tokens.
-            inputs = [t.to(ctx.device) for t in input_ids.chunk(microbatches)] if input_ids.numel() else [None] * microbatches
-            targets = [t.to(ctx.device) for t in labels.chunk(microbatches)] if labels.numel() else [None] * microbatches
+            inputs, targets = (_microbatches(t, microbatches, ctx.device) for t in (input_ids, labels))
         self.optimizer.begin_step(microbatches)
         loss = run_schedule(self.chunks, ctx, inputs, targets, self._loss_weights(targets),
                             self.activation_shape, self.dtype, overlap=cfg.parallelism.overlap.pp)

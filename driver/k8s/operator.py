@@ -27,6 +27,7 @@ from typing import Optional
 from megascale.config import from_dict
 
 from .. import log
+from ..services import stop_process
 from ..state import JobRecord, JobState, JobStore
 from . import health
 from . import status as job_status
@@ -397,12 +398,7 @@ class Operator:
             if running and time.monotonic() < rt.retire_by:
                 continue
             if running:
-                rt.proc.terminate()
-                try:
-                    rt.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    rt.proc.kill()
-                    rt.proc.wait()
+                stop_process(rt.proc, grace_s=5)
             self.retiring.remove(item)
             if deleted:
                 try:
