@@ -16,7 +16,7 @@ import psutil
 
 from .state import JobState, JobStore
 
-KINDS = ("kill-rank", "kill-node", "hang", "slow", "crash-loop", "corrupt-checkpoint")
+KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow", "crash-loop", "corrupt-checkpoint")
 SLOW_SELFCHECK = {"MEGASCALE_DIAG_SLOW_GEMM": "1:0.2"}  # the node's second device computes at 0.2x
 
 
@@ -69,6 +69,11 @@ def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, co
         store.record_chaos(kind, node, {"pid": pid})
         os.kill(pid, signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
         return f"killed executor {pid} of {node}"
+    if kind == "freeze-node":
+        pid = executor_pid(store, node)
+        store.record_chaos(kind, node, {"pid": pid})
+        os.kill(pid, signal.SIGSTOP)  # heartbeats stop, its ranks train on: a node cut off from the control plane
+        return f"froze executor {pid} of {node} (SIGSTOP): its heartbeats stop, its ranks run on"
     if kind == "hang":
         p = pick_rank(store, node, rank)
         store.record_chaos(kind, node, {"pid": p.pid})

@@ -1,7 +1,7 @@
-"""Control-plane subcommands: run, launch, status, pause, resume, stop, evict, logs.
+"""Control-plane subcommands: run, launch, status, pause, resume, stop, evict, spares, chaos, logs.
 
 A job is found through its state file ($MEGASCALE_HOME/jobs/<job>.json); requests go to the
-job's Redis (desired state, evictions), where the driver picks them up on its next pass.
+job's Redis (desired state, evictions, spares), where the driver picks them up on its next pass.
 Every failure is one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import redis
 
 from megascale.config import load_config
 
+from .chaos import KINDS
 from .services import JobHandle, home, pid_alive
 from .state import JobRecord, JobStore, status_view
 
@@ -62,8 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         (("--no-wait",), dict(action="store_true", help="return once the request is recorded")))
     add("evict", "take a node out of a job for good; a spare takes its place", _evict, job,
         (("node",), dict(help="node id, e.g. n1")))
+    add("spares", "set how many hot spares a job keeps (a job paused for want of nodes resumes once one reports)",
+        _spares, job, (("count",), dict(type=int, help="spare nodes to keep started")))
     add("chaos", "inject a fault into a running local job (tests and demos)", _chaos, job,
-        (("kind",), dict(choices=["kill-rank", "kill-node", "hang", "slow", "crash-loop", "corrupt-checkpoint"])),
+        (("kind",), dict(choices=KINDS)),
         (("--node",), dict(default="n0", help="node id (default n0)")),
         (("--rank",), dict(type=int, help="global rank (default: the node's first)")),
         (("--count",), dict(type=int, default=0, help="crash-loop: stop after this many kills (0 = until the job ends)")))
@@ -268,6 +271,17 @@ def _evict(args: argparse.Namespace) -> int:
     spares = [s.node for s in rec.slots("spare")]
     print(f"evict requested: {args.node} leaves job {args.job}"
           + (f"; spare {spares[0]} takes its place" if spares else "; no spare left"))
+    return 0
+
+
+def _spares(args: argparse.Namespace) -> int:
+    if args.count < 0:
+        raise CommandError(f"count: must be >= 0, got {args.count}")
+    store, rec = _live_job(args.job)
+    store.set_spares(args.count)
+    have = len(rec.slots("spare"))
+    more = f"; starting {args.count - have} more" if args.count > have else ""
+    print(f"job {args.job} keeps {args.count} spare(s) (has {have}{more})")
     return 0
 
 

@@ -75,6 +75,7 @@ class LocalBackend(Backend):
         for node, proc in procs.items():
             log.info("stopping node %s (pid %d)", node, proc.pid)
             _signal(proc, signal.SIGTERM)
+            _signal(proc, signal.SIGCONT)  # a frozen executor (`chaos freeze-node`) must run to see it
         deadline = time.monotonic() + grace_s
         for node, proc in procs.items():
             try:

@@ -25,12 +25,13 @@ class NodePool:
         rec.nodes.append(slot)
         return slot
 
-    def ensure(self, rec: JobRecord) -> list[str]:
-        """Creates the slots on first use, tops up the spares, starts nodes never started; returns those started."""
+    def ensure(self, rec: JobRecord, spares: Optional[int] = None) -> list[str]:
+        """Creates the slots on first use, tops up the spares (`spares`, else cluster.spares), starts
+        nodes never started; returns those started."""
         if not rec.nodes:
             for i in range(self.cfg.cluster.nodes):
                 self._new_slot(rec, "active", i)
-        while len(rec.slots("spare")) < self.cfg.cluster.spares:
+        while len(rec.slots("spare")) < (self.cfg.cluster.spares if spares is None else spares):
             self._new_slot(rec, "spare")
         todo = [s for s in rec.nodes if not s.started and s.role != "evicted"]
         for s in todo:

@@ -63,6 +63,8 @@ class Driver:
         self._news: list[tuple[Finding, bool]] = []  # straggler (finding, cleared) from the consumer thread
         self._news_lock = threading.Lock()
         self._timings_incarnation = 0
+        self._exited_nodes: set[str] = set()
+        self._exited_checked = 0.0
         self._shown: dict = {}  # the newest status, as plain data, for /metrics
         self.prometheus_url: Optional[str] = None
 
@@ -291,7 +293,7 @@ class Driver:
         ctl = self.cfg.control
         if not rec.waiting_op:
             rec.waiting_op, rec.waiting_since = ("flight" if fault.kind == "hang" else "stop"), time.time()
-        silent = [s.node for s in rec.slots("active") if self._silence(s.node) > ctl.dead_after_s]
+        silent = [s.node for s in rec.slots("active") if self._gone(s.node)]
         if rec.waiting_op == "flight":
             self._send_all(rec, "flight", lambda slot: {"last": 64}, skip=lambda slot: slot.node in silent)
             done, _, missing = self._acks(rec)
@@ -360,7 +362,7 @@ class Driver:
         ranks = {r for s in rec.slots("active") if s.node in suspects for r in range(s.index * rpn, (s.index + 1) * rpn)}
         peers = {index.get(r // rpn) for r in peers_of(ranks, group_members(p.tp, p.pp, p.dp))}
         return sorted(n for n in (suspects | peers) - {None}
-                      if not rec.slot(n).dead and self._silence(n) <= ctl.dead_after_s)  # type: ignore[arg-type]
+                      if not rec.slot(n).dead and not self._gone(n))  # type: ignore[arg-type]
 
     def _localize(self, rec: JobRecord, fault: Fault) -> Fault:
         """Reads every rank's flight recorder (through the executors) and names the rank(s) the others wait for."""
@@ -407,7 +409,8 @@ class Driver:
             rec.suspects, rec.bad, rec.rechecked = [], {}, []
             if self.pool.missing(rec):
                 self._move(rec, JobState.PAUSED, f"waiting for capacity: {self.pool.missing(rec)} node(s) short "
-                           f"and no spare left; resumes when a spare reports (or `megascale stop {self.job}`)")
+                           f"and no spare left; resumes when a spare reports (`megascale spares {self.job} 1` "
+                           f"adds one; `megascale stop {self.job}` ends the job)")
             else:
                 self._move(rec, JobState.INITIALIZING, reason)
         elif decision == "pause":
@@ -426,14 +429,14 @@ class Driver:
     def _paused(self, rec: JobRecord, desired: str) -> None:
         if rec.waiting_op:
             self._send_all(rec, "stop", lambda slot: {"incarnation": rec.incarnation},
-                           skip=lambda slot: self._silence(slot.node) > self.cfg.control.dead_after_s)
+                           skip=lambda slot: self._gone(slot.node))
             done, _, _ = self._acks(rec)
             if done or time.time() - rec.waiting_since > self.cfg.control.command_timeout_s:
                 rec.waiting_op, rec.waiting = "", {}
             return
         if desired != "running":
             return
-        dead = [s.node for s in rec.slots("active") if s.dead or self._silence(s.node) > self.cfg.control.dead_after_s]
+        dead = [s.node for s in rec.slots("active") if s.dead or self._gone(s.node)]
         if self.cfg.control.auto_recover:
             for node in dead:
                 self._evict(rec, node, f"dead ({rec.slot(node).dead or 'no heartbeat'})")
@@ -561,21 +564,26 @@ class Driver:
                 self._fault(rec, Fault("evicted", node, f"node {node} evicted by user"))
 
     def _watch_spares(self, rec: JobRecord) -> None:
-        """A spare that goes silent is evicted and replaced, so the pool holds only live nodes."""
+        """A spare that exits or goes silent is evicted and replaced, so the pool holds only live nodes.
+        One never heard from gets control.start_timeout_s to report (a pod may wait for a machine)."""
+        ctl = self.cfg.control
         for slot in rec.slots("spare"):
-            if self._silence(slot.node) > self.cfg.control.dead_after_s and rec.state != JobState.PENDING:
-                slot.dead = "no heartbeat"
-                self._event("node", f"spare {slot.node} went silent: evicting it", rec, node=slot.node)
+            heard = slot.node in self.ingest.nodes
+            silent = self._silence(slot.node) > (ctl.dead_after_s if heard else ctl.start_timeout_s)
+            if (silent or slot.node in self._exited()) and rec.state != JobState.PENDING:
+                slot.dead = "no heartbeat" if silent else "exited"
+                self._event("node", f"spare {slot.node} {'went silent' if silent else 'exited'}: evicting it", rec,
+                            node=slot.node)
                 self.pool.evict(rec, slot.node)
                 self._ensure_nodes(rec)
 
     def _ensure_nodes(self, rec: JobRecord) -> None:
-        for node in self.pool.ensure(rec):
+        for node in self.pool.ensure(rec, self.store.spares()):
             self._born[node] = time.monotonic()
 
     def _reporting(self, node: str) -> bool:
         view = self.ingest.nodes.get(node)
-        return view is not None and view.hb.phase != "exiting" and self._silence(node) <= self.cfg.control.dead_after_s
+        return view is not None and view.hb.phase != "exiting" and not self._gone(node)
 
     def _silence(self, node: str) -> float:
         """Seconds since the node was last heard from, counting from this driver's (or the node's) start at most."""
@@ -583,8 +591,23 @@ class Driver:
         last = max(view.received if view else 0.0, self.started, self._born.get(node, 0.0))
         return time.monotonic() - last
 
+    def _exited(self) -> set[str]:
+        """Nodes whose executor the backend reports gone (a killed process, a failed or deleted pod):
+        dead at once, without waiting out the heartbeat timeout. Asked every half heartbeat, at most once a second."""
+        now = time.monotonic()
+        if now - self._exited_checked >= min(1.0, self.cfg.control.heartbeat_s / 2):
+            self._exited_checked = now
+            try:
+                self._exited_nodes = {n for n, info in self.backend.list().items() if not info.alive}
+            except Exception as e:  # an unreachable API server: the heartbeat timeout still catches dead nodes
+                log.warning("cannot list nodes (%s: %s); relying on heartbeats", type(e).__name__, e)
+        return self._exited_nodes
+
+    def _gone(self, node: str) -> bool:
+        return node in self._exited() or self._silence(node) > self.cfg.control.dead_after_s
+
     def _faults(self, rec: JobRecord) -> list[Fault]:
-        return detect_faults(rec, self.ingest.nodes, self._silence, self.cfg)
+        return detect_faults(rec, self.ingest.nodes, self._silence, self.cfg, self._exited())
 
     def _all_succeeded(self, rec: JobRecord) -> bool:
         for slot in rec.slots("active"):

@@ -30,10 +30,16 @@ class Fault:
 
 
 def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[[str], float],
-                  cfg: JobConfig) -> list[Fault]:
-    """Faults among the active nodes of the current incarnation, most serious first."""
+                  cfg: JobConfig, exited: frozenset[str] | set[str] = frozenset()) -> list[Fault]:
+    """Faults among the active nodes of the current incarnation, most serious first.
+
+    `exited`: nodes whose executor the backend saw end (a process, a pod), dead before their heartbeats lapse.
+    """
     faults = []
     for slot in rec.slots("active"):
+        if slot.node in exited:
+            faults.append(Fault("node_dead", slot.node, f"node {slot.node}: its executor exited"))
+            continue
         quiet = silence(slot.node)
         if quiet > cfg.control.dead_after_s:
             faults.append(Fault("node_dead", slot.node, f"node {slot.node}: no heartbeat for {quiet:.1f} s"))

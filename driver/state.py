@@ -180,7 +180,7 @@ class JobStore:
         self.k_record, self.k_desired, self.k_evict = ns + "record", ns + "desired", ns + "evict"
         self.k_status, self.k_lease, self.k_offsets = ns + "status", ns + "driver", ns + "offsets"
         self.k_seq = ns + "cmdseq"
-        self.k_chaos, self.k_inject = ns + "chaos", ns + "inject"
+        self.k_chaos, self.k_inject, self.k_spares = ns + "chaos", ns + "inject", ns + "spares"
 
     @classmethod
     def from_url(cls, url: str, job: str, timeout_s: float = 5.0) -> "JobStore":
@@ -201,7 +201,8 @@ class JobStore:
         if existing and not existing.terminal:
             return existing, False
         pipe = self.r.pipeline()
-        pipe.delete(self.k_desired, self.k_evict, self.k_status, self.k_offsets, self.k_chaos, self.k_inject)
+        pipe.delete(self.k_desired, self.k_evict, self.k_spares, self.k_status, self.k_offsets, self.k_chaos,
+                    self.k_inject)
         pipe.set(self.k_record, record.to_json())
         pipe.execute()
         return record, True
@@ -223,6 +224,14 @@ class JobStore:
 
     def done_evict(self, node: str) -> None:
         self.r.srem(self.k_evict, node)
+
+    def set_spares(self, count: int) -> None:
+        self.r.set(self.k_spares, count)
+
+    def spares(self) -> Optional[int]:
+        """The hot-spare count a user set with `megascale spares`, overriding cluster.spares."""
+        raw = self.r.get(self.k_spares)
+        return int(raw) if raw is not None else None
 
     # -- chaos (tests, demos): what was injected when, and self-check faults per node -------
 

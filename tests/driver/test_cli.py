@@ -17,7 +17,7 @@ def one_line_error(capsys, argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("argv", [["status", "nope"], ["pause", "nope"], ["resume", "nope"], ["stop", "nope"],
-                                  ["evict", "nope", "n1"], ["logs", "nope"]])
+                                  ["evict", "nope", "n1"], ["spares", "nope", "1"], ["logs", "nope"]])
 def test_unknown_job(capsys, argv):
     assert f"megascale {argv[0]}: no job named 'nope'" in one_line_error(capsys, argv)
 
@@ -36,6 +36,7 @@ def test_bad_configs(capsys, tmp_path):
     (["evict", "job"], "the following arguments are required: node"),
     (["logs", "job", "--node"], "argument --node: expected one argument"),
     (["run", "x.yaml", "--steps", "ten"], "invalid int value: 'ten'"),
+    (["spares", "job", "many"], "argument count: invalid int value: 'many'"),
 ])
 def test_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
@@ -50,6 +51,7 @@ def test_ended_job_and_empty_home(capsys, tmp_path):
               config_path="x.yaml", supervisor_pid=os.getpid(), final={"state": "Succeeded", "step": 9}).save()
     assert "job 'old' is not running (last state: Succeeded)" in one_line_error(capsys, ["pause", "old"])
     assert "no logs for node 'n5'" in one_line_error(capsys, ["logs", "old", "--node", "n5"])
+    assert "count: must be >= 0, got -1" in one_line_error(capsys, ["spares", "old", "-1"])
     assert main(["status", "old"]) == 0
     out = capsys.readouterr().out
     assert "Succeeded" in out and "not running" in out

@@ -45,11 +45,45 @@ def test_kill_rank_then_kill_node_recover_automatically(tmp_path, capsys, wait):
     kinds = [r["kind"] for r in final["recoveries"]]
     assert kinds == ["rank_failed", "node_dead"], final["recoveries"]
     dead = final["recoveries"][1]
-    assert 2.5 <= dead["detection_s"] <= 8, dead  # heartbeat timeout: dead_after_s=3 from the kill
+    assert dead["detection_s"] <= 1.0, dead  # the executor's exit, seen by the backend: within 2 heartbeat intervals
     assert all(r["total_s"] > 0 and r["steps_lost"] >= 0 for r in final["recoveries"])
     assert 0 < final["ettr"] <= 1 and final["mttr_s"] > 0
     log = events(job)
-    assert "evicted n0 (dead (no heartbeat)); n2 takes its place" in log and "recovered from node_dead" in log
+    assert "node n0: its executor exited" in log and "recovered from node_dead" in log
+    assert "evicted n0 (dead (no heartbeat)); n2 takes its place" in log
+    job.assert_services_gone()
+
+
+def test_frozen_node_is_declared_dead_after_the_heartbeat_timeout(tmp_path, capsys, wait):
+    job = launch(capsys, fast(tmp_path, "rc-freeze", steps=80), "rc-freeze")
+    wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
+    assert "froze executor" in cli(capsys, "chaos", "rc-freeze", "freeze-node", "--node", "n1")
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 40, "the silent node to be replaced by the spare")
+    assert rec.slot("n1").role == "evicted" and rec.slot("n2").role == "active", rec.nodes
+    final = wait(job.ended, 60, "the job to end")
+    assert final["state"] == "Succeeded" and final["step"] == 80, final
+    (dead,) = final["recoveries"]
+    # dead_after_s=3 from the last heartbeat, which came up to one interval (0.5 s) before the freeze
+    assert dead["kind"] == "node_dead" and 2.4 <= dead["detection_s"] <= 5, dead
+    assert "node n1: no heartbeat for 3." in events(job)
+    job.assert_services_gone()
+
+
+def test_no_spare_waits_paused_until_a_spare_is_added(tmp_path, capsys, wait):
+    path = Path(fast(tmp_path, "rc-short", steps=60))
+    path.write_text(path.read_text().replace("spares: 1", "spares: 0"))
+    job = launch(capsys, str(path), "rc-short")
+    wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
+    cli(capsys, "chaos", "rc-short", "kill-node", "--node", "n1")
+    wait(lambda: job.state() == JobState.PAUSED, 30, "the job to wait for capacity")
+    status = job.status()
+    assert "waiting for capacity: 1 node(s) short and no spare left" in status["reason"], status
+    assert "`megascale spares rc-short 1`" in status["reason"], status
+    assert "keeps 1 spare(s) (has 0; starting 1 more)" in cli(capsys, "spares", "rc-short", "1")
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 60, "the new spare to take n1's place")
+    assert rec.slot("n1").role == "evicted" and rec.slot("n2").role == "active", rec.nodes
+    final = wait(job.ended, 60, "the job to end")
+    assert final["state"] == "Succeeded" and final["step"] == 60, final
     job.assert_services_gone()
 
 
