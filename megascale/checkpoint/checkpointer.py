@@ -7,7 +7,9 @@ the keeper process: it writes the file with a checksum; once every rank's shard 
 rank 0's keeper writes the manifest, the commit point. Ranks learn the outcome through a
 tiny all-reduce at the next steps (`after_step`), never by waiting.
 
-`restore` takes the newest committed checkpoint whose shards verify: from host memory where
+A fault between persist and commit (the ranks die, the keepers finish writing) does not lose
+that checkpoint: `restore` first commits it if every rank's keeper holds the same newer step
+persisted. `restore` then takes the newest committed checkpoint whose shards verify: from host memory where
 the keeper still holds an intact snapshot matching the manifest, otherwise from storage with
 exactly one reader per shard in each DP group, broadcasting to the group. ZeRO pieces are
 matched by (parameter name, range), so the DP size may change; tp/pp/vpp may not.
@@ -327,6 +329,7 @@ class Checkpointer:
     def restore(self, trainer: Any) -> Optional[int]:
         """Collective: loads the newest committed checkpoint that verifies; returns its step (None: none exist)."""
         started = time.perf_counter()
+        self._commit_interrupted()
         steps = self._broadcast_json(self._committed() if self.ctx.rank == 0 else None)
         if isinstance(steps, str):
             raise CheckpointError(steps)
@@ -354,6 +357,56 @@ class Checkpointer:
         if self.ctx.rank == 0:
             log.info("no committed checkpoint under %s; starting from step 0", self.uri)
         return None
+
+    def _commit_interrupted(self) -> None:
+        """Collective: writes the manifest of a checkpoint whose shards every keeper persisted but
+        whose ranks stopped before rank 0 committed it (a fault mid-persist), so a restart resumes
+        from it, from host memory, instead of replaying the steps since the previous one."""
+        records = self._gather_records(self._settled_snapshot())
+        if self.ctx.rank != 0:
+            return
+        layout = self.ctx.layout
+        expected = {shard_key(p, t, d) for p in range(layout.pp) for t in range(layout.tp) for d in range(layout.dp)}
+        steps = {r.get("step") for r in records}
+        if len(steps) != 1 or None in steps or {r["key"] for r in records} != expected \
+                or any(r["state"] != "persisted" for r in records):
+            return
+        step = steps.pop()
+        committed = self._committed()
+        if isinstance(committed, str) or (committed and committed[0] >= step):
+            return
+        shards = {r["key"]: {"file": shard_file(r["key"]), "bytes": r["length"], "crc32": r["crc32"]} for r in records}
+        try:
+            self._connect().send({"op": "commit", "step": step, "keep": self.cfg.checkpoint.keep,
+                                  "manifest": new_manifest(step, self._layout_dict(), self.cfg.to_dict(), shards)})
+        except CheckpointError as e:
+            log.error("checkpoint step %d: persisted but cannot be committed: %s", step, e)
+            return
+        self.commit_pending = step
+        self._drain(until=lambda: self.commit_pending is None)
+        if self.last_committed == step:
+            log.info("checkpoint step %d was persisted by every keeper but not committed before the ranks "
+                     "stopped: committed it now", step)
+
+    def _settled_snapshot(self) -> dict:
+        """What this rank's keeper holds, once a persist still running from before a restart ended; {} if nothing."""
+        try:
+            link = self._connect()
+            waited = time.monotonic()
+            while (link.snapshot or {}).get("state") == "persisting":
+                if time.monotonic() - waited > 30:
+                    log.warning("rank %d: waiting for the keeper to finish persisting step %d", self.ctx.rank,
+                                link.snapshot["step"])
+                    waited = time.monotonic()
+                time.sleep(0.05)
+                link.send({"op": "snapshot", "rank": self.ctx.rank})
+                link.snapshot = self._expect("snapshot")["snapshot"]
+        except CheckpointError as e:  # no keeper: nothing held, storage it is
+            if isinstance(e, KeeperGone):
+                self._keeper_lost(str(e))
+            log.warning("rank %d: no checkpoint keeper (%s)", self.ctx.rank, e)
+            return {}
+        return dict(link.snapshot or {})
 
     def _committed(self) -> list[int] | str:
         """Committed steps, newest first; or why they cannot be listed (every rank raises it)."""

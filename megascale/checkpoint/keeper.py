@@ -131,6 +131,9 @@ class Keeper:
             return self._persist(self.slots[rank], msg), []
         if op == "commit":
             return self._commit(msg), []
+        if op == "snapshot":  # a restarted rank polls a persist its predecessor started
+            slot = self.slots.get(rank)
+            return {"op": "snapshot", "snapshot": slot.snapshot if slot else None}, []
         if op == "forget":
             with self.lock:
                 slot = self.slots.pop(rank, None)

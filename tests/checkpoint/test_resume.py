@@ -1,5 +1,6 @@
 """Interrupt and resume: train S steps with a checkpoint at S/2, kill every rank, resume; the
-losses after resume equal the uninterrupted run's bit for bit (fp32, CPU)."""
+losses after resume equal the uninterrupted run's bit for bit (fp32, CPU). Also: ranks killed
+while their keepers still persist the checkpoint resume from it, not from the one before."""
 from __future__ import annotations
 
 import collections
@@ -33,6 +34,19 @@ def train_then_crash(ctx, cfg, out: str) -> None:
         Path(out).write_text(json.dumps(losses))
     assert checkpointer.flush() == SAVE_AT  # committed before the crash, so the test is deterministic
     os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: the keeper just sees the connection drop
+
+
+def crash_while_persisting(ctx, cfg, out: str) -> None:
+    """Saves at SAVE_AT (the instrumented storage writes slowly), trains on, dies before the commit."""
+    trainer = Trainer(cfg, ctx)
+    checkpointer = Checkpointer(cfg, ctx, trainer.optimizer)
+    checkpointer.prepare()
+    losses = [trainer.step().loss for _ in range(SAVE_AT)]
+    checkpointer.save(trainer)
+    losses += [trainer.step().loss for _ in range(SAVE_AT, STEPS)]
+    if ctx.rank == 0:
+        Path(out).write_text(json.dumps(losses))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def resume(ctx, cfg) -> dict:
@@ -110,3 +124,17 @@ def test_eight_ranks_tp2_pp2_dp2_vpp2_sp_resume_exactly_from_storage(ckpt_dir, m
     assert_exact(expected, results)
     reads = shard_reads(fs, ckpt_dir)
     assert len(reads) == 8 and set(reads.values()) == {1}  # each shard once, for its DP group
+
+
+def test_ranks_killed_mid_persist_resume_from_that_checkpoint_in_host_memory(ckpt_dir, make_job, fs):
+    cfg = make_job(str(ckpt_dir), {"dp": 2}, steps=STEPS)
+    fs.set_options(ckpt_dir, delay_s=3)  # the keepers are still writing when the ranks die
+    out = ckpt_dir.parent / "losses.json"
+    with pytest.raises(RuntimeError, match="without a result"):
+        run_ranks(crash_while_persisting, layout_of(cfg), cfg, str(out), timeout_s=240)
+    assert not list(ckpt_dir.glob("*/manifest.json"))  # nothing committed when they died
+    results = run_ranks(resume, layout_of(cfg), cfg, timeout_s=240)
+    assert [r["start"] for r in results] == [SAVE_AT, SAVE_AT]
+    assert_exact(json.loads(out.read_text()), results)
+    assert all(r["bytes_read"] == 0 and r["from"] == {"host memory": 1} for r in results)
+    assert (ckpt_dir / f"step-{SAVE_AT:08d}" / "manifest.json").exists()
