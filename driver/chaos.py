@@ -14,6 +14,9 @@ from typing import Optional
 
 import psutil
 
+from megascale.checkpoint.storage import CheckpointError, committed_steps, open_storage, read_manifest, step_dir
+from megascale.config import CheckpointConfig
+
 from .state import JobState, JobStore
 
 KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow", "crash-loop", "corrupt-checkpoint")
@@ -57,7 +60,7 @@ def pick_rank(store: JobStore, node: str, rank: Optional[int]) -> psutil.Process
 
 
 def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, count: int = 0,
-           checkpoint_uri: Optional[str] = None, timeout_s: float = 300.0) -> str:
+           checkpoint: Optional[CheckpointConfig] = None, timeout_s: float = 300.0) -> str:
     """Does it; returns one line saying what was done."""
     if kind == "kill-rank":
         p = pick_rank(store, node, rank)
@@ -85,7 +88,7 @@ def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, co
     if kind == "crash-loop":
         return _crash_loop(store, node, count, timeout_s)
     if kind == "corrupt-checkpoint":
-        return _corrupt(checkpoint_uri, store)
+        return _corrupt(checkpoint or CheckpointConfig(), store)
     raise ChaosError(f"unknown chaos kind {kind!r} (known: {', '.join(KINDS)})")
 
 
@@ -107,17 +110,26 @@ def _crash_loop(store: JobStore, node: str, count: int, timeout_s: float) -> str
     return f"crash loop on {node}: {killed} rank(s) killed; job {rec.state.value if rec else 'gone'}"
 
 
-def _corrupt(uri: Optional[str], store: JobStore) -> str:
-    """Flips bytes in the newest checkpoint's largest file under a local checkpoint.uri."""
-    if not uri or "://" in uri and not uri.startswith("file://"):
-        raise ChaosError("corrupt-checkpoint needs a local checkpoint.uri")
-    root = Path(uri.removeprefix("file://"))
-    files = [p for p in root.rglob("*") if p.is_file()]
-    if not files:
-        raise ChaosError(f"no checkpoint files under {root}")
-    newest = max(files, key=lambda p: (p.stat().st_mtime, p.stat().st_size))
-    data = bytearray(newest.read_bytes())
-    for i in range(0, len(data), max(1, len(data) // 64)):
-        data[i] ^= 0xFF
-    newest.write_bytes(bytes(data))
-    return f"corrupted {newest}"
+def _corrupt(checkpoint: CheckpointConfig, store: JobStore) -> str:
+    """Flips bytes all through every shard of the newest committed checkpoint: a restore must see
+    the checksums fail and fall back to the checkpoint before it (host snapshots, which verify
+    against the manifest, are not touched)."""
+    if not checkpoint.uri:
+        raise ChaosError("corrupt-checkpoint: the job has no checkpoint.uri")
+    try:
+        storage = open_storage(checkpoint.uri, checkpoint.filesystem)
+        steps = committed_steps(storage)
+        if not steps:
+            raise ChaosError(f"corrupt-checkpoint: no committed checkpoint under {checkpoint.uri} yet")
+        step = max(steps)
+        paths = [storage.path(step_dir(step), entry["file"]) for entry in read_manifest(storage, step)["shards"].values()]
+        for path in paths:
+            with storage.fs.open_input_stream(path) as f:
+                data = bytearray(f.read())
+            for i in range(0, len(data), max(1, len(data) // 64)):
+                data[i] ^= 0xFF
+            with storage.fs.open_output_stream(path) as f:
+                f.write(bytes(data))
+    except (CheckpointError, OSError) as e:
+        raise ChaosError(f"corrupt-checkpoint: {e}") from None
+    return f"corrupted {len(paths)} shard(s) of checkpoint step {step} under {checkpoint.uri}"

@@ -292,7 +292,7 @@ def _chaos(args: argparse.Namespace) -> int:
 
     store, rec = _live_job(args.job)
     try:
-        print(inject(store, args.kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint.uri))
+        print(inject(store, args.kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint))
     except ChaosError as e:
         raise CommandError(str(e)) from None
     return 0

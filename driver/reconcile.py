@@ -489,7 +489,9 @@ class Driver:
         if r is None or step is None or r.get("incarnation") == rec.incarnation:
             return
         if "resumed" not in r:
-            r["resumed"], r["restored_step"] = now, max(0, step - 1)
+            restored = [v.hb.restored_step for s in rec.slots("active") if (v := self.ingest.nodes.get(s.node))
+                        and v.hb.incarnation == rec.incarnation and v.hb.restored_step is not None]
+            r["resumed"], r["restored_step"] = now, min(restored) if restored else max(0, step - 1)
             r["steps_lost"] = max(0, r["step"] - r["restored_step"])
         if step >= r["step"]:
             r["caught_up"] = now
@@ -534,7 +536,9 @@ class Driver:
             return now - self._silence(fault.node or "")
         if fault.kind == "hang":
             return self._last_progress[1]
-        return now
+        if "at" in fault.detail:  # the error line's or the bad step's own time, by the node's clock
+            return min(now, fault.detail["at"])
+        return now  # a straggler has no moment of failure: its detection counts from the finding
 
     def _ettr(self, rec: JobRecord) -> Optional[float]:
         """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time."""

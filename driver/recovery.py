@@ -63,10 +63,11 @@ def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[
             fatal = next((e for e in hb.errors if e.kind in FATAL_ERRORS), None)
             if fatal is not None:
                 faults.append(Fault("rank_error", slot.node, f"rank {fatal.rank} on {slot.node} logged "
-                                    f"{fatal.kind}: {fatal.line[:160]}", {"rank": fatal.rank, "error": fatal.kind}))
+                                    f"{fatal.kind}: {fatal.line[:160]}",
+                                    {"rank": fatal.rank, "error": fatal.kind, "at": fatal.time}))
             elif hb.loss is not None and not math.isfinite(hb.loss):
                 faults.append(Fault("nan_loss", slot.node, f"loss is {hb.loss} at step {hb.step} on {slot.node}",
-                                    {"step": hb.step}))
+                                    {"step": hb.step, "at": hb.time}))
     return faults
 
 

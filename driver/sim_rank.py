@@ -6,11 +6,22 @@ recorder shows it entered the same step, so a stopped or dead rank stalls the ot
 a real collective would, and the driver's hang localisation sees a real picture.
 
 Each step also appends a StepTimings line to `<run_dir>/timings-rank<R>.jsonl`, like
-`megascale.launch.train_rank`, so the executor's timings pipeline has something to ship.
+`megascale.launch.train_rank`, so the executor's timings pipeline has something to ship: the sleep
+is `forward` (compute), the wait for the peers `comm_dp` and `exposed_dp`, as the real timers
+record a DP all-reduce, so the straggler detector's `compute` is the sleep alone.
 
-Env: SIM_STEP_S (seconds per step). With checkpoint.uri set it "checkpoints" every
-checkpoint.every steps into `<uri>/sim-step` and resumes from there, so restarts lose work the way
-real ones do.
+Env:
+  SIM_STEP_S       seconds of compute per step (default 0.2).
+  SIM_SLOW_NODE    NODE[:FACTOR]: ranks on that node (RankSpec.node, not a rank number, so a spare
+                   taking over its ranks is fast again) compute FACTOR (default 3) times as long.
+  SIM_NAN_AT       STEP: the reporting rank's loss is NaN from that step on (a diverged run).
+  SIM_ERROR_AT     RANK:STEP: that rank prints an NCCL watchdog timeout line at that step and
+                   keeps running.
+The two faults fire once per job: the first incarnation to reach the step creates a marker file
+in the run directory, so the restarted incarnation runs clean.
+
+With checkpoint.uri set it "checkpoints" every checkpoint.every steps into `<uri>/sim-step` and
+resumes from there, so restarts lose work the way real ones do.
 """
 from __future__ import annotations
 
@@ -22,9 +33,14 @@ import time
 from pathlib import Path
 from typing import IO
 
+from megascale.driver.metrics.schema import SEGMENTS
 from megascale.executor.rank import Progress, RankSpec, die_with_parent
 
 from megascale.parallel.flight_recorder import FlightRecorder, read_records
+
+WATCHDOG_LINE = ("[rank{rank}]:[E ProcessGroupNCCL.cpp:616] [Rank {rank}] Watchdog caught collective operation "
+                 "timeout: WorkNCCL(SeqNum={step}, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+                 "ran for 600013 milliseconds before timing out.")
 
 
 def entered(path: Path, seq: int) -> bool:
@@ -34,12 +50,14 @@ def entered(path: Path, seq: int) -> bool:
         return False  # not created yet, or being truncated by a restarting peer
 
 
-def step_timings(spec: RankSpec, step: int, start: float, total: float) -> dict:
-    """A StepTimings dict (megascale.timers) for a stand-in step: all of it `forward`, no waiting."""
+def step_timings(spec: RankSpec, step: int, start: float, compute: float, waited: float = 0.0) -> dict:
+    """A StepTimings dict (megascale.timers) for a stand-in step: `compute` seconds of forward, then
+    `waited` seconds in the DP all-reduce."""
     par = spec.config.get("parallelism", {})
     tp, dp = int(par.get("tp", 1)), int(par.get("dp", 1))
+    segments = {**dict.fromkeys(SEGMENTS, 0.0), "forward": compute, "comm_dp": waited, "exposed_dp": waited}
     return {"step": step, "rank": spec.rank, "tp": spec.rank % tp, "dp": spec.rank // tp % dp,
-            "pp": spec.rank // (tp * dp), "start": start, "total": total, "segments": {"forward": total}}
+            "pp": spec.rank // (tp * dp), "start": start, "total": compute + waited, "segments": segments}
 
 
 def timings_file(spec: RankSpec) -> IO[str]:
@@ -51,12 +69,27 @@ def write_line(f: IO[str], record: dict) -> None:
     f.flush()  # whole lines only: the executor tails this file
 
 
+def first_time(run_dir: Path, name: str) -> bool:
+    """True for the first caller in this run directory only (the marker file is created atomically)."""
+    try:
+        (run_dir / f"sim-{name}.fired").open("x").close()
+        return True
+    except FileExistsError:
+        return False
+
+
 def main() -> int:
     spec = RankSpec.load(sys.argv[1])
     die_with_parent(spec.parent_pid)
     progress = Progress(spec.progress_path)
     cfg = spec.config
     steps, step_s = cfg["train"]["steps"], float(os.environ.get("SIM_STEP_S", "0.2"))
+    slow_node, _, factor = os.environ.get("SIM_SLOW_NODE", "").partition(":")
+    if slow_node == spec.node:
+        step_s *= float(factor or 3)
+    nan_at = int(os.environ.get("SIM_NAN_AT", "0"))
+    error_rank, _, error_at = os.environ.get("SIM_ERROR_AT", "-1:0").partition(":")
+    diverged = False
     run_dir = Path(spec.run_dir)
     ckpt = cfg.get("checkpoint", {})
     mark = Path(ckpt["uri"]) / "sim-step" if ckpt.get("uri") else None
@@ -68,20 +101,24 @@ def main() -> int:
     for step in range(start + 1, steps + 1):
         began, wall = time.monotonic(), time.time()
         time.sleep(step_s)
+        computed = time.monotonic()
         slot = recorder.begin("all_reduce", "dp:0", spec.world_size)
         seq = step - start
         while not all(entered(p, seq) for p in peers):
             time.sleep(0.01)
         recorder.end(slot)
-        write_line(timings, step_timings(spec, step, wall, time.monotonic() - began))
+        write_line(timings, step_timings(spec, step, wall, computed - began, time.monotonic() - computed))
+        if spec.rank == int(error_rank) and step == int(error_at) and first_time(run_dir, "error"):
+            print(WATCHDOG_LINE.format(rank=spec.rank, step=step), file=sys.stderr, flush=True)
         if mark and ckpt.get("every") and step % ckpt["every"] == 0 and spec.rank == 0:
             mark.parent.mkdir(parents=True, exist_ok=True)
             tmp = mark.with_suffix(".tmp")
             tmp.write_text(str(step))
             tmp.replace(mark)  # committed atomically, like a manifest
         if spec.rank == spec.world_size - 1:  # one reporting rank, like train_rank
-            progress.write({"step": step, "loss": 10.0 / step, "step_time": time.monotonic() - began, "tokens_per_s": 1000.0,
-                            "grad_norm": 1.0, "lr": 0.01})
+            diverged = diverged or (step == nan_at and first_time(run_dir, "nan"))
+            progress.write({"step": step, "loss": float("nan") if diverged else 10.0 / step, "lr": 0.01,
+                            "step_time": time.monotonic() - began, "tokens_per_s": 1000.0, "grad_norm": 1.0})
     progress.write({"state": "done", "step": steps})
     return 0
 

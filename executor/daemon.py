@@ -181,6 +181,8 @@ class Executor:
             self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         config = args["config"]
         env = comm_env(config.get("comm", {}).get("env", {}), dict(os.environ))
+        # The node's checkpoint keeper is this node's alone and ends with this executor (see checkpoint/keeper.py).
+        env.update(MEGASCALE_NODE=self.node, MEGASCALE_NODE_PID=str(os.getpid()))
         spec = RankSpec(job=self.job, node=self.node, incarnation=incarnation, world_size=int(args["world_size"]),
                         config=config, run_dir=args["run_dir"], init_method=args["init_method"],
                         resume=bool(args.get("resume")))
@@ -296,7 +298,8 @@ class Executor:
                        incarnation=group.incarnation if group else None,
                        ranks=group.statuses() if group else [], step=newest.get("step"),
                        step_time=newest.get("step_time"), loss=newest.get("loss"),
-                       tokens_per_s=newest.get("tokens_per_s"), errors=list(group.errors) if group else [],
+                       tokens_per_s=newest.get("tokens_per_s"), restored_step=group.restored_step() if group else None,
+                       errors=list(group.errors) if group else [],
                        metrics=host_metrics())
         self._send("heartbeats", encode(hb))
 

@@ -92,7 +92,8 @@ def main(argv: list[str]) -> int:
                                     world_size=spec.world_size, timeout=timedelta(seconds=cfg.comm.timeout_s))
         ctx = build_context(layout_of(cfg), spec.rank, device, cfg.parallelism.sequence_parallel)
         progress.write({"state": "running"})
-        history = train_rank(ctx, cfg, spec.run_dir, on_step=progress.write)
+        history = train_rank(ctx, cfg, spec.run_dir, on_step=progress.write,
+                             on_start=lambda step: progress.write({"restored_step": step}))
         progress.write({"state": "done", **({"step": history[-1]["step"]} if history else {})})
     finally:
         if dist.is_initialized():

@@ -65,6 +65,7 @@ class RankProcess:
     running: bool = False  # its process group is up
     done: bool = False
     last: dict = field(default_factory=dict)  # newest step statistics
+    restored_step: Optional[int] = None  # the step it started from, once known
 
     def state(self) -> RankState:
         code = self.proc.poll()
@@ -139,6 +140,8 @@ class RankGroup:
             except ValueError:
                 continue
             p.running = True
+            if "restored_step" in record:
+                p.restored_step = record["restored_step"]
             if record.get("state") == "done":  # every rank learns the last step, not only the reporter
                 p.done = True
                 if "step" in record:
@@ -170,6 +173,11 @@ class RankGroup:
         """The newest step statistics of any local rank (the reporting rank, when it is here)."""
         lasts = [p.last for p in self.procs if p.last]
         return max(lasts, key=lambda s: (s["step"], "loss" in s)) if lasts else {}
+
+    def restored_step(self) -> Optional[int]:
+        """The step the local ranks started from (they restore the same one), once all reported it."""
+        steps = [p.restored_step for p in self.procs]
+        return None if None in steps else min(steps)  # type: ignore[type-var]
 
     def alive(self) -> bool:
         return any(p.proc.poll() is None for p in self.procs)

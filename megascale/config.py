@@ -354,6 +354,9 @@ def _validate_cluster(cfg: JobConfig) -> None:
         raise ConfigError(f"control.prometheus_port={ctl.prometheus_port}: must be -1 (off), 0 (any free port) or a port")
     if ctl.max_restarts < 0:
         raise ConfigError(f"control.max_restarts={ctl.max_restarts}: must be >= 0")
+    if ctl.evict_stragglers and not ctl.auto_recover:
+        raise ConfigError("control.evict_stragglers: needs control.auto_recover (a straggler's node is replaced "
+                          "by eviction; without it the job would restart onto the same slow node)")
     _positive("comm.timeout_s", cfg.comm.timeout_s)
 
 

@@ -115,10 +115,12 @@ def layout_of(cfg: JobConfig) -> Layout:
 
 
 def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
-               on_step: Optional[Callable[[dict], None]] = None) -> list[dict]:
+               on_step: Optional[Callable[[dict], None]] = None,
+               on_start: Optional[Callable[[int], None]] = None) -> list[dict]:
     """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
     steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
-    reporting rank appends metrics.jsonl and calls `on_step(stats)`."""
+    reporting rank appends metrics.jsonl and calls `on_step(stats)`. `on_start(step)` learns the
+    step training starts from (a restored checkpoint's, else 0)."""
     from megascale.checkpoint import Checkpointer
     from megascale.parallel.flight_recorder import FlightRecorder
     from megascale.train import Trainer
@@ -137,6 +139,8 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
             checkpointer.restore(trainer)
         if ckpt.every:
             checkpointer.prepare()  # allocate the host buffer now, not in the first save
+    if on_start is not None:
+        on_start(trainer.step_index)
     reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
     history = []
     metrics = open(Path(run_dir) / "metrics.jsonl", "a") if reporter else None

@@ -94,6 +94,7 @@ class Heartbeat:
     step_time: Optional[float] = None
     loss: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    restored_step: Optional[int] = None  # the step this incarnation's ranks started from (0: from scratch)
     errors: list[ErrorLine] = field(default_factory=list)  # recent error lines of this incarnation
     metrics: HostMetrics = field(default_factory=HostMetrics)
     kind: Literal["heartbeat"] = "heartbeat"

@@ -19,8 +19,11 @@ MAX_FDS = 4
 
 
 def socket_name(uri: str) -> str:
-    """The keeper's abstract socket for a checkpoint URI (per user; gone when the keeper exits)."""
-    digest = hashlib.sha256(f"{os.getuid()}:{uri}".encode()).hexdigest()[:24]
+    """The keeper's abstract socket for a checkpoint URI (per user and node; gone when the keeper exits).
+
+    MEGASCALE_NODE (set by the executor) keeps the simulated nodes of a one-machine job apart, as
+    separate machines would be: each has its own keeper and loses its host snapshots with it."""
+    digest = hashlib.sha256(f"{os.getuid()}:{os.environ.get('MEGASCALE_NODE', '')}:{uri}".encode()).hexdigest()[:24]
     return f"\0megascale-keeper-{digest}"
 
 

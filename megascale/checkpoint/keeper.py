@@ -4,7 +4,7 @@ It holds each local rank's latest snapshot (a memfd the rank filled in phase 1),
 storage with a checksum when asked, and writes the manifest for rank 0. It outlives the
 training processes, so after the ranks restart on the same node they get their snapshots back
 from it instead of from storage. It exits after `--idle-s` seconds without a connected rank,
-or on a `shutdown` message. A rank starts it on demand; an executor daemon can start and own
+on a `shutdown` message, or when the executor named by MEGASCALE_NODE_PID exits (the node is gone). A rank starts it on demand; an executor daemon can start and own
 it instead by running `python -m megascale.checkpoint.keeper --uri URI` itself.
 
 No torch here, so it starts in a fraction of a second.
@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+import psutil
 
 from megascale.checkpoint import ipc
 from megascale.checkpoint.storage import (Storage, apply_retention, normalize_uri, open_storage, write_file,
@@ -54,6 +56,20 @@ class Keeper:
         self.lock = threading.Lock()
         self.connections = 0
         self.last_active = time.monotonic()
+        self.node_pid = os.environ.get("MEGASCALE_NODE_PID")
+        self.node = _process(self.node_pid)
+
+    def node_alive(self) -> bool:
+        """Whether the executor this keeper serves still runs: a node's memory goes with the node
+        (on a cluster the pod takes the keeper with it; locally this does)."""
+        if not self.node_pid:
+            return True
+        if self.node is None:
+            return False
+        try:
+            return self.node.is_running() and self.node.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def serve(self) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -73,6 +89,10 @@ class Keeper:
                     idle = self.connections == 0 and time.monotonic() - self.last_active > self.idle_s
                 if idle:
                     log.info("no rank connected for %.0f s; exiting (host snapshots dropped)", self.idle_s)
+                    self.on_exit()
+                    return
+                if not self.node_alive():
+                    log.info("the node's executor exited; exiting with it (host snapshots dropped)")
                     self.on_exit()
                     return
                 continue
@@ -209,6 +229,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     uri = normalize_uri(args.uri)
     Keeper(open_storage(uri, args.filesystem), ipc.socket_name(uri), args.idle_s, on_exit=lambda: (
         _remove_quiet_log(args.log, warned.seen))).serve()
+
+
+def _process(pid: Optional[str]) -> Optional[psutil.Process]:
+    try:
+        return psutil.Process(int(pid)) if pid else None
+    except (ValueError, psutil.Error):
+        return None
 
 
 class _WarningFlag(logging.Handler):

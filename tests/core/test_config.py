@@ -38,6 +38,7 @@ def test_defaults_validate_and_round_trip():
     ({"optimizer": {"lr": -1}}, "optimizer.lr=-1.0: must be > 0"),
     ({"model": {"hidden": 60, "heads": 4}}, "model.hidden/model.heads=15 must be even"),
     ({"data": {"source": "shards"}}, "data.path: required when data.source=shards"),
+    ({"control": {"evict_stragglers": True, "auto_recover": False}}, "control.evict_stragglers: needs control.auto_recover"),
 ])
 def test_bad_config_names_the_field(sections, message):
     with pytest.raises(ConfigError) as err:

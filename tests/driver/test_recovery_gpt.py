@@ -1,8 +1,19 @@
-"""A real GPT job recovers from a killed rank and continues exactly where an uninterrupted run goes.
+"""A real GPT job survives every kind of fault in a row and ends on the uninterrupted loss trajectory.
 
-Real Redis, tansu, driver, executors and GPT ranks (tp2 inside each node, dp2 across 2 nodes),
-checkpoint every 4 steps. After `megascale chaos kill-rank`, every rank restarts from the newest
-committed checkpoint; the losses from the restored step on equal those of an uninterrupted
+Real Redis, tansu, driver, executors and GPT ranks (tp2 inside each node, dp2 across 2 nodes,
+spare 1), a checkpoint every 4 steps on storage that can be made slow (tests/checkpoint/fsutil.py).
+Faults, injected with `megascale chaos` as a user would:
+
+1. a rank is killed while the keepers persist a checkpoint: the restart commits that checkpoint
+   and restores it from host memory (no step lost beyond it);
+2. a node freezes (heartbeats stop): declared dead after control.dead_after_s, evicted, the spare
+   takes its place and reads its shards from storage (its keeper went with the node);
+3. a rank is stopped (SIGSTOP): a hang, localised and restarted;
+4. while the job is paused, every shard of the newest checkpoint is corrupted and a node is
+   killed: on resume the node is replaced, and the restore sees the checksums fail and falls back
+   to the checkpoint before.
+
+The losses of every step, replayed steps at their latest value, equal those of an uninterrupted
 `megascale train` of the same job (fp32, CPU; 1e-5 relative: the two runs may use different
 thread counts per rank).
 """
@@ -19,7 +30,8 @@ from megascale.driver.state import JobState
 
 from .test_control_plane import cli, launch
 
-STEPS = 40
+STEPS = 64
+SLOW_FS = f"{Path(__file__).parents[1] / 'checkpoint' / 'fsutil.py'}:instrumented"
 
 
 def gpt_job(tmp_path: Path, name: str, cluster: bool) -> str:
@@ -29,13 +41,14 @@ def gpt_job(tmp_path: Path, name: str, cluster: bool) -> str:
         "parallelism": {"tp": 2, "dp": 2, "sequence_parallel": True},
         "batch": {"micro": 1, "global": 4},
         "optimizer": {"lr": 0.01, "schedule": {"kind": "constant"}},
-        "checkpoint": {"uri": f"file://{tmp_path / name / 'ckpt'}", "every": 4, "keeper_idle_s": 30},
+        "checkpoint": {"uri": f"file://{tmp_path / name / 'ckpt'}", "every": 4, "keeper_idle_s": 30,
+                       "filesystem": SLOW_FS},
         "train": {"steps": STEPS, "run_dir": str(tmp_path / name)},
     }
     if cluster:
         config["cluster"] = {"nodes": 2, "spares": 1}
-        config["control"] = {"heartbeat_s": 0.5, "dead_after_s": 3, "hang_after_s": 20, "selfcheck": False,
-                             "start_timeout_s": 120, "command_timeout_s": 30}
+        config["control"] = {"heartbeat_s": 0.5, "dead_after_s": 3, "hang_after_s": 6, "selfcheck": False,
+                             "max_restarts": 5, "start_timeout_s": 120, "command_timeout_s": 30}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -46,22 +59,87 @@ def losses(metrics_file: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, metrics_file.read_text().splitlines())}
 
 
+def persisting(ckpt: Path) -> int | None:
+    """The step of a checkpoint whose 4 shard files are being written (none committed yet)."""
+    for directory in ckpt.glob("step-*"):
+        if len(list(directory.glob("*.safetensors"))) == 4 and not (directory / "manifest.json").exists():
+            return int(directory.name[5:])
+    return None
+
+
+def rank_logs(run_dir: Path) -> str:
+    """Every rank's training log (rank-<R>.log, appended by each incarnation)."""
+    return "".join(p.read_text() for p in sorted(run_dir.glob("rank-*.log")))
+
+
+def last_restore(run_dir: Path, rank: int) -> str:
+    """What the newest incarnation of `rank` restored, as its log says."""
+    return [line for line in (run_dir / f"rank-{rank}.log").read_text().splitlines() if "restored step" in line][-1]
+
+
 @pytest.mark.slow
-def test_killed_rank_restart_continues_the_uninterrupted_loss_trajectory(tmp_path, capsys, wait, monkeypatch):
+def test_every_fault_kind_in_a_row_ends_on_the_uninterrupted_loss_trajectory(tmp_path, capsys, wait, monkeypatch):
     monkeypatch.delenv("MEGASCALE_RANK_ENTRY", raising=False)
     assert main(["train", gpt_job(tmp_path, "gpt-ref", cluster=False), "--quiet"]) == 0
     (reference_file,) = (tmp_path / "gpt-ref").glob("gpt-ref-*/metrics.jsonl")
     reference = losses(reference_file)
 
     job = launch(capsys, gpt_job(tmp_path, "gpt-rc", cluster=True), "gpt-rc")
-    wait(lambda: (job.status().get("step") or 0) >= 6, 120, "training past the step-4 checkpoint")
-    cli(capsys, "chaos", "gpt-rc", "kill-rank", "--node", "n1")
-    final = wait(job.ended, 180, "the job to recover and finish")
-    assert final["state"] == JobState.SUCCEEDED.value and final["step"] == STEPS, final
-    assert final["recoveries"] and final["recoveries"][0]["kind"] == "rank_failed", final["recoveries"]
+    ckpt = tmp_path / "gpt-rc" / "ckpt"
+    options = Path(f"{ckpt}.fs.json")  # read by the keepers on every write
+    step = lambda: job.status().get("step") or 0  # noqa: E731
+    recovered = lambda n: lambda: len(job.status().get("recoveries", [])) == n  # noqa: E731
 
-    recovered = losses(Path(job.refresh().run_dir) / "metrics.jsonl")
-    assert sorted(recovered) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
-        assert recovered[step] == pytest.approx(reference[step], rel=1e-5), step
+    # 1. A rank dies while every keeper is still writing a checkpoint.
+    wait(lambda: step() >= 2, 120, "training to start")
+    options.write_text(json.dumps({"delay_s": 3}))
+    target = wait(lambda: persisting(ckpt), 60, "a checkpoint with all 4 shards being written")
+    cli(capsys, "chaos", "gpt-rc", "kill-rank", "--node", "n1")
+    options.write_text("{}")
+    wait(recovered(1), 120, "recovery from the killed rank")
+    run_dir = Path(job.refresh().run_dir)
+    logs = rank_logs(run_dir)
+    assert f"checkpoint step {target} was persisted by every keeper but not committed" in logs
+    assert logs.count(f"restored step {target} (shards from host memory: 1)") == 4, logs[-3000:]
+
+    # 2. Node n0 freezes: heartbeat timeout, eviction, spare n2 takes position 0 and reads storage.
+    wait(lambda: step() >= 14, 120, "training past step 14")
+    cli(capsys, "chaos", "gpt-rc", "freeze-node", "--node", "n0")
+    wait(recovered(2), 120, "recovery from the frozen node")
+    rec = job.store.load()
+    assert rec.slot("n0").role == "evicted" and rec.slot("n2").role == "active", rec.nodes
+    assert "(shards from storage: 1)" in last_restore(run_dir, 0)  # rank 0 now runs on n2
+    assert "(shards from host memory: 1)" in last_restore(run_dir, 2)  # rank 2 still on n1
+
+    # 3. A rank stops: a hang, localised to its node.
+    wait(lambda: step() >= 26, 120, "training past step 26")
+    cli(capsys, "chaos", "gpt-rc", "hang", "--node", "n1", "--rank", "3")
+    wait(recovered(3), 120, "recovery from the hang")
+    assert job.store.load().fault["node"] == "n1"
+
+    # 4. While the job is paused, the newest checkpoint is corrupted and a node dies; on resume the
+    #    node is replaced and the restore sees the checksums fail and falls back one checkpoint.
+    wait(lambda: step() >= 38 and job.state() == JobState.RUNNING, 120, "training past step 38")
+    cli(capsys, "pause", "gpt-rc")
+    wait(job.in_state(JobState.PAUSED, waiting_op=""), 60, "the ranks to stop")
+    corrupted = cli(capsys, "chaos", "gpt-rc", "corrupt-checkpoint")
+    bad_step = int(corrupted.split("checkpoint step ")[1].split()[0])
+    cli(capsys, "chaos", "gpt-rc", "kill-node", "--node", "n1")
+    cli(capsys, "resume", "gpt-rc")
+    wait(lambda: job.in_state(JobState.RUNNING, incarnation=5)() and step() > bad_step - 4, 120,
+         "the job to resume on a replacement node")
+    assert f"checkpoint step {bad_step} cannot be restored; falling back" in rank_logs(run_dir)
+    assert f"restored step {bad_step - 4} " in last_restore(run_dir, 2)
+    assert job.store.load().slot("n1").role == "evicted"
+
+    final = wait(job.ended, 180, "the job to finish")
+    assert final["state"] == JobState.SUCCEEDED.value and final["step"] == STEPS, final
+    kinds = [r["kind"] for r in final["recoveries"]]
+    assert kinds == ["rank_failed", "node_dead", "hang"], final["recoveries"]
+    assert final["recoveries"][0]["restored_step"] == target, final["recoveries"]
+
+    recovered_losses = losses(run_dir / "metrics.jsonl")
+    assert sorted(recovered_losses) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert recovered_losses[s] == pytest.approx(reference[s], rel=1e-5), s
     job.assert_services_gone()
