@@ -84,7 +84,7 @@ def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, co
         return f"stopped (SIGSTOP) rank process {p.pid} on {node}"
     if kind == "slow":
         store.set_injection(node, SLOW_SELFCHECK)
-        return f"{node} now fails its self-check's GEMM test (needs MEGASCALE_DIAG_ALLOW_FAULTS=1 on the node)"
+        return f"{node} fails its next self-check's GEMM test (needs MEGASCALE_DIAG_ALLOW_FAULTS=1 on the node)"
     if kind == "crash-loop":
         return _crash_loop(store, node, count, timeout_s)
     if kind == "corrupt-checkpoint":

@@ -349,7 +349,7 @@ class Driver:
     def _diagnose_args(self, slot) -> dict:
         checks = [c.strip() for c in self.cfg.control.selfcheck_checks.split(",") if c.strip()]
         return {"budget_s": self.cfg.control.selfcheck_budget_s, "checks": checks,
-                "ranks_per_node": self.cfg.ranks_per_node, "inject": self.store.injection(slot.node)}
+                "ranks_per_node": self.cfg.ranks_per_node, "inject": self.store.take_injection(slot.node)}
 
     def _selfcheck_targets(self, rec: JobRecord, fault: Fault) -> list[str]:
         """Live suspects and the nodes sharing a communication group with them (MegaScale §4.3)."""

@@ -245,8 +245,12 @@ class JobStore:
     def set_injection(self, node: str, faults: dict) -> None:
         self.r.hset(self.k_inject, node, json.dumps(faults))
 
-    def injection(self, node: str) -> dict:
-        raw = self.r.hget(self.k_inject, node)
+    def take_injection(self, node: str) -> dict:
+        """The self-check faults injected into `node`, once: its next self-check only."""
+        pipe = self.r.pipeline()
+        pipe.hget(self.k_inject, node)
+        pipe.hdel(self.k_inject, node)
+        raw, _ = pipe.execute()
         return json.loads(raw) if raw else {}
 
     # -- what `status` shows, and the ingestion's resume point -------------------------------

@@ -183,12 +183,14 @@ class RankGroup:
         return any(p.proc.poll() is None for p in self.procs)
 
     def stop(self, grace_s: float = 5.0, tick: Optional[Callable[[], None]] = None) -> None:
-        """SIGTERM, then SIGKILL after `grace_s`; a rank stuck in a collective may ignore the first.
+        """SIGTERM (with SIGCONT, for a stopped rank), then SIGKILL after `grace_s` for a rank that
+        outlives it (one with a SIGTERM handler, or in uninterruptible sleep).
         `tick` runs while waiting, so the node keeps heartbeating."""
         for p in self.procs:
             if p.proc.poll() is None:
                 p.stopping = True
                 p.proc.send_signal(signal.SIGTERM)
+                p.proc.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP, frozen) rank must run to die
         deadline = time.monotonic() + grace_s
         while any(p.proc.poll() is None for p in self.procs) and time.monotonic() < deadline:
             if tick:

@@ -71,7 +71,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None,
                  ranks_per_node: Optional[int] = None):
         self.cfg, self.ctx = cfg, ctx
-        self.chunks, self.optimizer = parallelize(GPT(cfg.model), ctx, cfg)
+        with torch.device("meta"):  # each rank materialises only what it owns (parallelize)
+            model = GPT(cfg.model)
+        self.chunks, self.optimizer = parallelize(model, ctx, cfg)
         self.dtype = compute_dtype(cfg, ctx.device)
         self.source = source or make_source(cfg, ctx, ranks_per_node)
         self.step_index = 0

@@ -4,11 +4,14 @@ causal attention, rotary positions, optional tied embeddings.
 It knows nothing of parallelism. `megascale.parallel.parallelize` shards it by
 swapping modules (TorchTitan style); the seams it relies on are only names:
 `attn.qkv`, `attn.proj`, `mlp.fc`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
-and a parallel block's `fan_out` / `merge`.
+and a parallel block's `fan_out` / `merge`. Built under `torch.device("meta")` it allocates
+nothing; each parameter's initial value depends only on the seed and its name (`init_value`),
+so a rank can create just the parameters, and slices, it owns.
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -19,8 +22,9 @@ from megascale.kernels import LayerNorm, attention, gelu
 
 
 def rotary_tables(seq: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    # On the CPU explicitly: a model built on the meta device still needs real tables.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64, device="cpu"), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -115,19 +119,24 @@ class GPT(nn.Module):
         self.criterion = CrossEntropy()
         if cfg.tied_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.reset_parameters()
+        if not self.wte.weight.is_meta:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        gen = torch.Generator().manual_seed(self.cfg.seed)
-        # GPT-2: residual projections scaled down by depth so the stream's variance stays flat.
-        resid_std = self.cfg.init_std / math.sqrt(2 * self.cfg.layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            else:
-                std = resid_std if name.endswith("proj.weight") else self.cfg.init_std
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.copy_(self.init_value(name, p.shape))
+
+    def init_value(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """Parameter `name`'s initial value (fp32, CPU), from the seed and the name alone."""
+        if self.cfg.tied_embeddings and name == "lm_head.weight":
+            name = "wte.weight"  # a pipeline's last stage holds its own copy of the tied embedding
+        if len(shape) == 1:
+            return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        # GPT-2: residual projections scaled down by depth so the stream's variance stays flat.
+        std = self.cfg.init_std / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") else self.cfg.init_std
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen) * std
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         # A pipeline stage deletes the parts it does not own (sets them to None), so

@@ -57,8 +57,10 @@ def measure(cfg: JobConfig, steps: int) -> dict:
     else:
         step_time = max(run_ranks(_time_steps, layout_of(cfg), cfg, steps))
     tokens = cfg.batch.global_ * cfg.model.seq
+    with torch.device("meta"):  # the FLOP count needs the shapes only
+        flops_per_token = GPT(cfg.model).num_flops_per_token()
     return {"step_time_s": step_time, "tokens_per_s": tokens / step_time,
-            "model_flops_per_s": tokens * GPT(cfg.model).num_flops_per_token() / step_time}
+            "model_flops_per_s": tokens * flops_per_token / step_time}
 
 
 def run(args: argparse.Namespace) -> dict:

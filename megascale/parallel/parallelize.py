@@ -1,6 +1,10 @@
 """Applies 3D parallelism to a single-device GPT: pipeline split, tensor (+sequence)
 parallel sharding, precision, then the ZeRO-2 optimizer over data parallel.
 
+The GPT may be built on the meta device: then a stage materialises only its own layers, and a
+TP-sharded weight exists in full only while its slice is cut (one weight at a time), so no rank
+ever holds the whole model.
+
 Each step is its own function; the tensor-parallel layout is a plan (module name ->
 style), not code inside the model.
 """
@@ -68,6 +72,14 @@ PARALLEL_BLOCK_PLAN: dict[str, Style] = {
 }
 
 
+def materialize(chunk: GPT, module: nn.Module, prefix: str = "") -> None:
+    """Gives `module`'s parameters still on the meta device their initial values. In place
+    (`swap_tensors`), so a parameter tied elsewhere stays one object."""
+    for name, p in module.named_parameters(prefix=prefix):
+        if p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(chunk.init_value(name, p.shape)))
+
+
 def _replace(root: nn.Module, path: str, style: Style, ctx: ParallelContext, overlap_chunks: int) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
@@ -77,16 +89,19 @@ def _replace(root: nn.Module, path: str, style: Style, ctx: ParallelContext, ove
 def apply_tp(chunk: GPT, ctx: ParallelContext, shared: dict, overlap: bool = False) -> None:
     """Shards one pipeline chunk over the TP group (in place). `shared` maps tied weights across calls."""
     overlap_chunks = TP_OVERLAP_CHUNKS if overlap else 0
-    for block in chunk.blocks.values():
+    for index, block in chunk.blocks.items():
         plan = PARALLEL_BLOCK_PLAN if isinstance(block, ParallelBlock) else SERIAL_BLOCK_PLAN
         for path, style in plan.items():
+            materialize(chunk, block.get_submodule(path), f"blocks.{index}.{path}")
             _replace(block, path, style, ctx, overlap_chunks)
     vocab_start = ctx.tp.rank * (chunk.cfg.vocab // ctx.tp.size)
     if chunk.wte is not None:
+        materialize(chunk, chunk.wte, "wte")
         full = chunk.wte.weight
         shared[id(full)] = shard_out_features(full.detach(), ctx.tp)
         chunk.wte = VocabParallelEmbedding(shared[id(full)], ctx.tp, ctx.sequence_parallel)
     if chunk.lm_head is not None:
+        materialize(chunk, chunk.lm_head, "lm_head")
         full = chunk.lm_head.weight
         weight = shared[id(full)] if id(full) in shared else shard_out_features(full.detach(), ctx.tp)
         chunk.lm_head = ColumnParallelLinear(weight, EnterTP(ctx.tp, ctx.sequence_parallel), overlap_chunks)
@@ -138,6 +153,8 @@ def parallelize(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> tuple[list[
         shared: dict = {}
         for chunk in chunks:
             apply_tp(chunk, ctx, shared, overlap=cfg.parallelism.overlap.tp)
+    for chunk in chunks:
+        materialize(chunk, chunk)  # what TP did not shard: norms, and every weight when tp == 1
     if ctx.sequence_parallel and ctx.tp.size > 1:
         for chunk in chunks:
             mark_sequence_parallel_norms(chunk)

@@ -127,3 +127,20 @@ def test_failed_selfcheck_evicts_node_and_passing_peer_is_kept(tmp_path, capsys,
     assert final["state"] == "Succeeded", final
     assert final["recoveries"][0]["diagnosis_s"] > 1
     job.assert_services_gone()
+
+
+@pytest.mark.slow
+def test_crashed_node_failing_its_check_once_is_checked_again_and_kept(tmp_path, capsys, wait, monkeypatch):
+    monkeypatch.setenv("MEGASCALE_DIAG_ALLOW_FAULTS", "1")
+    job = launch(capsys, fast(tmp_path, "rc-retry", steps=150, selfcheck=True, selfcheck_budget_s=15,
+                              crashed_selfcheck="retry"), "rc-retry")
+    wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
+    cli(capsys, "chaos", "rc-retry", "slow", "--node", "n1")  # its next self-check fails, the one after passes
+    cli(capsys, "chaos", "rc-retry", "kill-rank", "--node", "n1")
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 90, "two self-checks of n1 and the restart")
+    assert {s.node: s.role for s in rec.nodes} == {"n0": "active", "n1": "active", "n2": "spare"}
+    log = events(job)
+    assert "self-check failed on n1 (gemm.flops); checking once more" in log
+    assert "n1 passed its self-check: kept" in log and "evicted" not in log
+    assert wait(job.ended, 60, "the job to end")["state"] == "Succeeded"
+    job.assert_services_gone()

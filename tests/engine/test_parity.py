@@ -11,6 +11,7 @@ import torch
 
 from megascale.config import from_dict
 from megascale.launch import layout_of, run_ranks
+from megascale.model.gpt import GPT
 from megascale.parallel.state import full_stage_parameters
 from megascale.parallel.topology import single_device_context
 from megascale.train import Trainer
@@ -99,3 +100,32 @@ def test_parity_eight_ranks_tp2_pp2_dp2_vpp2_sp():
 @pytest.mark.slow
 def test_parity_eight_ranks_serial_blocks_all_overlap_on():
     assert_parity(job({"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True}, global_batch=8, micro=2, overlap=True))
+
+
+def _initial_parameters(ctx, cfg):
+    materialized = []
+    eager_value = GPT.init_value
+
+    def recorded(model, name, shape):
+        materialized.append(name)
+        return eager_value(model, name, shape)
+
+    GPT.init_value = recorded  # this rank process only
+    trainer = Trainer(cfg, ctx)
+    return {"params": full_stage_parameters(trainer.chunks, ctx), "materialized": materialized,
+            "layers": [int(i) for chunk in trainer.chunks for i in chunk.blocks]}
+
+
+def test_meta_init_materialises_only_the_stage_and_matches_an_eager_model():
+    """Trainer builds the GPT on the meta device: each rank creates only its stage's parameters,
+    and those (TP slices gathered) equal a GPT initialised whole on one device, bit for bit."""
+    cfg = job({"tp": 2, "pp": 2}, tied=True)
+    eager = {name: p.detach() for name, p in GPT(cfg.model).named_parameters()}
+    results = run_ranks(_initial_parameters, layout_of(cfg), cfg, timeout_s=240)
+    for rank, got in enumerate(results):
+        for name, value in got["params"].items():
+            torch.testing.assert_close(value, eager.get(name, eager["wte.weight"]), rtol=0, atol=0,
+                                       msg=f"rank {rank} {name}")
+        blocks = {int(name.split(".")[1]) for name in got["materialized"] if name.startswith("blocks.")}
+        assert blocks == set(got["layers"]) and len(blocks) == 2, (rank, blocks)
+        assert len(got["materialized"]) == len(set(got["materialized"])), "a parameter materialised twice"
