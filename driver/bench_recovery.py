@@ -2,7 +2,8 @@
 
 Stand-in ranks (driver/sim_rank.py) keep it to CPU seconds; the control plane, services, chaos
 and recovery are the real ones. Faults of mixed kinds are injected one after another, each once
-the previous recovery has caught up; per fault the driver's own timings are reported.
+the previous recovery has caught up (or `--fault-interval S` after the previous one); per fault
+the driver's own timings are reported.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def _wait(predicate, timeout: float, what: str):
 
 
 def run(args: argparse.Namespace) -> dict:
+    interval = getattr(args, "fault_interval", 0.0) or 0.0
+    if interval < 0:
+        raise SystemExit(f"megascale bench recovery: --fault-interval={interval}: must be >= 0")
     plan = [("kill-rank", "n1"), ("kill-node", "n2"), ("hang", "n3")]
     if not getattr(args, "quick", False):
         plan += [("freeze-node", "n0"), ("kill-rank", "n3")]
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
                 injected.append(time.time())
                 inject(store, kind, node)
                 _wait(lambda: len(status().get("recoveries", [])) > before, 60, f"recovery from {kind} on {node}")
-                time.sleep(1.0)  # steady training between faults
+                time.sleep(max(1.0, interval - (time.time() - injected[-1])))  # steady training between faults
             final = status()
         finally:
             store.set_desired("stopped")
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "faults": faults,
         "detection_intervals_max": round(max(f["detection_s"] for f in faults) / HEARTBEAT_S, 2),
+        "detection_intervals_by_kind": {kind: round(max(f["detection_s"] for f in faults if f["kind"] == kind)
+                                                    / HEARTBEAT_S, 2) for kind in sorted({f["kind"] for f in faults})},
         "resume_s_max": round(max(f["diagnosis_s"] + f["restart_s"] for f in faults), 2),
         "lost_s_per_fault_max": round(max(f["total_s"] for f in faults), 2),
         "steps_lost_max": max(f["steps_lost"] for f in faults),

@@ -492,6 +492,8 @@ class Driver:
             restored = [v.hb.restored_step for s in rec.slots("active") if (v := self.ingest.nodes.get(s.node))
                         and v.hb.incarnation == rec.incarnation and v.hb.restored_step is not None]
             r["resumed"], r["restored_step"] = now, min(restored) if restored else max(0, step - 1)
+            # The fault's step came from the last heartbeat before it, up to an interval stale.
+            r["step"] = max(r["step"], r["restored_step"])
             r["steps_lost"] = max(0, r["step"] - r["restored_step"])
         if step >= r["step"]:
             r["caught_up"] = now
