@@ -520,13 +520,18 @@ class Driver:
                       {"rank": f.rank, "segment": f.segment, "dimension": f.dimension, "slowdown": f.slowdown})]
 
     def _hang(self, rec: JobRecord) -> Optional[Fault]:
-        """Heartbeats arrive, but the step has not moved for control.hang_after_s."""
-        after = self.cfg.control.hang_after_s
+        """Heartbeats arrive, but the step has not moved for control.hang_after_s (before the
+        incarnation's first step: for control.start_timeout_s, as ranks load and restore first)."""
+        ctl = self.cfg.control
         (_, step), since = self._last_progress
         quiet = time.time() - max(since, rec.entered)
-        if not after or quiet <= after:
+        after = ctl.hang_after_s if step is not None else max(ctl.hang_after_s, ctl.start_timeout_s)
+        if not ctl.hang_after_s or quiet <= after:
             return None
-        return Fault("hang", None, f"no training progress for {quiet:.0f} s after step {step or 0} "
+        if step is None:
+            return Fault("hang", None, f"incarnation {rec.incarnation} reported no step within {quiet:.0f} s "
+                         f"of starting while every node heartbeats (control.start_timeout_s)", {"step": None})
+        return Fault("hang", None, f"no training progress for {quiet:.0f} s after step {step} "
                      f"while every node heartbeats", {"step": step})
 
     def _occurred(self, rec: JobRecord, fault: Fault, now: float) -> float:
