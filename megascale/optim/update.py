@@ -3,7 +3,7 @@
 ZeRO-2 hands each rank a contiguous slice of a flat buffer, so one shard holds
 pieces of several parameters and one parameter may span several ranks. LAMB's
 trust ratio needs per-*parameter* norms: each rank sums squares per parameter
-segment (`segment_ids`), and `reduce_norms` adds the partial sums of the other
+segment (`Segments`), and `reduce_norms` adds the partial sums of the other
 shard holders (DP ranks, and TP ranks for TP-sharded parameters).
 
 LAMB follows apex FusedLAMB (adam_w_mode, bias correction, use_nvlamb=False):
@@ -20,47 +20,59 @@ import torch
 NormReducer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def segment_sum_of_squares(x: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
-    # One extra segment collects padding, then is dropped.
-    out = torch.zeros(num_segments + 1, dtype=torch.float32, device=x.device)
-    out.index_add_(0, segment_ids, x.float().square())
-    return out[:num_segments]
+class Segments:
+    """Which parameter each element of a flat shard belongs to, as runs of consecutive elements.
+
+    A shard is a few long runs (one per parameter piece, then padding with id `count`), so
+    per-parameter sums are one vectorised norm per run and per-parameter factors are expanded by
+    run length, never gathered element by element.
+    """
+
+    def __init__(self, segment_ids: torch.Tensor, count: int):
+        ids, lengths = torch.unique_consecutive(segment_ids, return_counts=True)
+        self.ids, self.count, self.numel = ids, count, segment_ids.numel()
+        self.lengths, self.length_list = lengths, lengths.tolist()
+
+    def sum_of_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-parameter sums of x^2 (fp32), padding dropped."""
+        norms = torch.stack(torch._foreach_norm(list(x.float().split(self.length_list))))
+        out = torch.zeros(self.count + 1, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, self.ids, norms.square())[:self.count]
+
+    def expand(self, per_segment: torch.Tensor, padding: float = 1.0) -> torch.Tensor:
+        """A per-parameter value for every element of the shard."""
+        padded = torch.cat([per_segment, per_segment.new_full((1,), padding)])
+        return padded[self.ids].repeat_interleave(self.lengths, output_size=self.numel)
 
 
 def adam_direction(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
                    betas: tuple[float, float], eps: float) -> torch.Tensor:
-    """Updates the moments in place; returns the bias-corrected Adam direction."""
+    """Updates the moments in place; returns the bias-corrected Adam direction (a new tensor)."""
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    m_hat = exp_avg / (1 - beta1**step)
-    v_hat = exp_avg_sq / (1 - beta2**step)
-    return m_hat / (v_hat.sqrt() + eps)
+    denominator = exp_avg_sq.div(1 - beta2**step).sqrt_().add_(eps)
+    return exp_avg.div(1 - beta1**step).div_(denominator)
 
 
 def lamb_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
               step: int, lr: float, betas: tuple[float, float], eps: float, decay: torch.Tensor,
-              segment_ids: torch.Tensor, segment_decayed: torch.Tensor, reduce_norms: NormReducer) -> None:
+              segments: Segments, segment_decayed: torch.Tensor, reduce_norms: NormReducer) -> None:
     """One LAMB step on a flat fp32 shard.
 
     `decay` is the per-element weight decay; `segment_decayed[i]` says whether parameter i
     has weight decay (only those get a trust ratio, as in apex).
     """
-    num_segments = segment_decayed.numel()
-    update = adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps) + decay * param
-    sums = torch.stack([
-        segment_sum_of_squares(param, segment_ids, num_segments),
-        segment_sum_of_squares(update, segment_ids, num_segments),
-    ])
+    update = adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps).addcmul_(decay, param)
+    sums = torch.stack([segments.sum_of_squares(param), segments.sum_of_squares(update)])
     param_norm, update_norm = reduce_norms(sums).sqrt()
     use_trust = segment_decayed & (param_norm > 0) & (update_norm > 0)
     trust = torch.where(use_trust, param_norm / update_norm.clamp(min=1e-30), torch.ones_like(param_norm))
-    trust = torch.cat([trust, trust.new_ones(1)])  # the padding segment
-    param.sub_(lr * trust[segment_ids] * update)
+    param.sub_(update.mul_(segments.expand(trust)), alpha=lr)
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, decay: torch.Tensor, **_) -> None:
     """One AdamW step (decoupled weight decay, as torch.optim.AdamW)."""
     param.mul_(1 - lr * decay)
-    param.sub_(lr * adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps))
+    param.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megascale.config import OptimizerConfig
-from megascale.optim.update import adamw_step, lamb_step
+from megascale.optim.update import Segments, adamw_step, lamb_step
 from megascale.parallel.comm import InFlight, all_reduce
 from megascale.parallel.topology import ParallelContext
 
@@ -77,6 +77,7 @@ class DistributedOptimizer:
 
         self.shard_ranges = [(b.start + ctx.dp.rank * b.size // dp, b.size // dp) for b in self.buckets]
         self.segment_ids = torch.cat([owner[s:s + n] for s, n in self.shard_ranges])
+        self.segments = Segments(self.segment_ids, len(self.params))
         self.master = torch.cat([self.param_buffer[s:s + n] for s, n in self.shard_ranges]).float()
         self.grad_shard = torch.zeros(shard_total, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros_like(self.master)
@@ -221,7 +222,7 @@ class DistributedOptimizer:
         self.step_count += 1
         update = lamb_step if self.cfg.name == "lamb" else adamw_step
         update(self.master, self.grad_shard, self.exp_avg, self.exp_avg_sq, step=self.step_count, lr=lr,
-               betas=tuple(self.cfg.betas), eps=self.cfg.eps, decay=self.decay, segment_ids=self.segment_ids,
+               betas=tuple(self.cfg.betas), eps=self.cfg.eps, decay=self.decay, segments=self.segments,
                segment_decayed=self.segment_decayed, reduce_norms=self._reduce_parameter_norms)
         self._all_gather_params()
         self.grad_buffer.zero_()

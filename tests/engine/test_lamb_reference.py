@@ -15,7 +15,7 @@ from itertools import pairwise
 
 import torch
 
-from megascale.optim.update import adamw_step, lamb_step
+from megascale.optim.update import Segments, adamw_step, lamb_step
 
 LR, BETAS, EPS, STEPS = 0.05, (0.9, 0.999), 1e-6, 3
 ATOL = 1e-6
@@ -100,8 +100,8 @@ def _run_lamb_pieces(weights, grads, cuts: list[int]) -> torch.Tensor:
 
         def run(index: int, piece: slice, step: int = step, grad: torch.Tensor = grad) -> None:
             lamb_step(param[piece], grad[piece], exp_avg[piece], exp_avg_sq[piece], step=step, lr=LR, betas=BETAS,
-                      eps=EPS, decay=decay[piece], segment_ids=segment_ids[piece], segment_decayed=decayed,
-                      reduce_norms=reducer(index))
+                      eps=EPS, decay=decay[piece], segments=Segments(segment_ids[piece], len(PARAMS)),
+                      segment_decayed=decayed, reduce_norms=reducer(index))
 
         threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(pieces)]
         for t in threads:
@@ -152,7 +152,7 @@ def test_adamw_step_matches_torch_optim_adamw_over_three_steps():
     groups = [{"params": [p], "weight_decay": wd} for p, (_, wd) in zip(params, PARAMS)]
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
 
-    segment_ids, decay, decayed = _layout()
+    _, decay, _ = _layout()
     flat = _flat(weights, 0.0)
     exp_avg, exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
     for step, step_grads in enumerate(grads, start=1):
@@ -160,6 +160,6 @@ def test_adamw_step_matches_torch_optim_adamw_over_three_steps():
             p.grad = g.clone()
         optimizer.step()
         adamw_step(flat, _flat(step_grads, 0.0), exp_avg, exp_avg_sq, step=step, lr=LR, betas=BETAS, eps=EPS,
-                   decay=decay, segment_ids=segment_ids, segment_decayed=decayed, reduce_norms=lambda s: s)
+                   decay=decay)
     for i, (ours, p) in enumerate(zip(_unflatten(flat), params)):
         torch.testing.assert_close(ours, p.detach(), rtol=0, atol=ATOL, msg=f"parameter {i} {PARAMS[i]}")
