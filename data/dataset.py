@@ -82,10 +82,12 @@ class Dataset:
         first = 0
         for s in self.shards:
             if s.first_doc != first:
-                raise DataError(f"{path}: manifest mismatch: {s.file} starts at document {s.first_doc}, expected {first}")
+                raise DataError(f"{path}: manifest mismatch: {s.file} starts at document {s.first_doc}, "
+                                f"expected {first}")
             first += s.documents
         if first != self.documents:
-            raise DataError(f"{path}: manifest mismatch: shard documents add up to {first}, manifest says {self.documents}")
+            raise DataError(f"{path}: manifest mismatch: shard documents add up to {first}, "
+                            f"manifest says {self.documents}")
         for s in self.shards:
             f = self.root / s.file
             if not f.is_file():

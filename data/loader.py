@@ -45,7 +45,8 @@ class Loader:
         try:
             self.listener.bind("\0" + cfg.socket)
         except OSError:
-            raise DataError(f"another data loader already serves this run directory and node (socket {cfg.socket})") from None
+            raise DataError("another data loader already serves this run directory and node "
+                            f"(socket {cfg.socket})") from None
         self.listener.listen(len(cfg.consumers))
         self.fd = os.memfd_create("megascale-data", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.layout.total_bytes)
@@ -90,7 +91,8 @@ class Loader:
                 self.listener = None
             elif self.listener and time.monotonic() > self.deadline and not self.fatal:
                 missing = sorted(set(self.cfg.consumers) - set(self.joined))
-                self.fatal = f"ranks {missing} did not reach the node's data loader within {self.cfg.connect_timeout:.0f} s"
+                self.fatal = (f"ranks {missing} did not reach the node's data loader within "
+                              f"{self.cfg.connect_timeout:.0f} s")
             if self.fatal:
                 self._broadcast(f"E {self.fatal}")
                 if not self.listener or self.told >= set(self.cfg.consumers) or time.monotonic() > self.deadline:
@@ -133,7 +135,8 @@ class Loader:
             elif rank not in self.cfg.consumers or rank in self.joined:
                 why = f"rank {rank} is not an expected consumer of this node's data loader (or joined twice)"
             elif fingerprint != self.cfg.fingerprint():
-                why = f"rank {rank} has a different data configuration than the node's loader (rank {self.cfg.consumers[0]})"
+                why = (f"rank {rank} has a different data configuration than the node's loader "
+                       f"(rank {self.cfg.consumers[0]})")
             else:
                 r.rank = rank
                 self.joined[rank] = r
@@ -187,7 +190,8 @@ class Loader:
         gen = min(gens)
         starts = sorted({r.start for r in self.joined.values() if r.gen == gen})
         if len(starts) > 1:
-            raise DataError(f"ranks on this node resumed at different samples {starts}: they must load the same data state")
+            raise DataError(f"ranks on this node resumed at different samples {starts}: "
+                            "they must load the same data state")
         self.gen, self.start, self.next = gen, starts[0], 0
 
     def _active(self) -> list[_Rank]:

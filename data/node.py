@@ -124,7 +124,8 @@ class LoaderConfig:
 
 def socket_name(run_dir: str, node: int) -> str:
     """Abstract socket name, unique per (run directory, job, node) on this machine."""
-    job = os.environ.get("MEGASCALE_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "")
+    job = (os.environ.get("MEGASCALE_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+           or os.environ.get("SLURM_JOB_ID", ""))
     key = f"{os.path.realpath(run_dir)}|{job}|{node}"
     return "megascale-data-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 

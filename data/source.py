@@ -126,9 +126,11 @@ class ShardBatchSource:
         if version != STATE_VERSION:
             raise DataError(f"data state version {version}: this version reads {STATE_VERSION}")
         if dataset != self.ds.fingerprint:
-            raise DataError(f"data state is for dataset {dataset}, data.path holds {self.ds.fingerprint} (manifest mismatch)")
+            raise DataError(f"data state is for dataset {dataset}, data.path holds {self.ds.fingerprint} "
+                            "(manifest mismatch)")
         if (seq, seed) != (self.cfg.seq, self.cfg.seed):
-            raise DataError(f"data state has seq={seq} seed={seed}, the job has seq={self.cfg.seq} seed={self.cfg.seed}")
+            raise DataError(f"data state has seq={seq} seed={seed}, "
+                            f"the job has seq={self.cfg.seq} seed={self.cfg.seed}")
         self._reposition(sequence)
 
     def close(self) -> None:
@@ -201,12 +203,14 @@ class ShardBatchSource:
                     break
                 msg += more
         except TimeoutError:
-            raise DataError(f"the node {self.node} data loader did not answer within {self.cfg.connect_timeout:.0f} s") from None
+            raise DataError(f"the node {self.node} data loader did not answer within "
+                            f"{self.cfg.connect_timeout:.0f} s") from None
         sock.settimeout(None)
         if not msg.startswith(b"OK") or not fds:
             for fd in fds:
                 os.close(fd)
-            raise DataError(msg.decode(errors="replace")[2:].strip() or f"node {self.node} data loader closed the connection")
+            raise DataError(msg.decode(errors="replace")[2:].strip()
+                            or f"node {self.node} data loader closed the connection")
         try:
             self._buf = mmap.mmap(fds[0], self.cfg.layout.total_bytes)
         finally:

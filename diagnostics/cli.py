@@ -89,7 +89,8 @@ def _table(report) -> str:
         lines.append(f"isolation tor:{iso.topology}: suspects {iso.suspects or '-'} -> bad {iso.bad_nodes or '-'}")
     verdict = "PASS" if report.passed else "FAIL"
     bad = f"; bad nodes: {','.join(report.bad_nodes)}" if report.bad_nodes else ""
-    lines.append(f"{verdict}: {len(report.checks)} checks on {len(report.nodes)} nodes in {report.elapsed_s:.1f} s{bad}")
+    lines.append(f"{verdict}: {len(report.checks)} checks on {len(report.nodes)} nodes "
+                 f"in {report.elapsed_s:.1f} s{bad}")
     return "\n".join(lines)
 
 

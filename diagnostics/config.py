@@ -142,7 +142,8 @@ class DiagnosticsConfig:
             if metric not in default_thresholds():
                 raise ConfigError(f"{key}: unknown metric {metric!r}; choose from {','.join(default_thresholds())}")
             if name not in {f.name for f in dataclasses.fields(Threshold)}:
-                raise ConfigError(f"{key}: unknown field {name!r}; choose from min_ratio,max_ratio,expected,min_value,max_value")
+                raise ConfigError(f"{key}: unknown field {name!r}; "
+                                  "choose from min_ratio,max_ratio,expected,min_value,max_value")
             th = dataclasses.replace(self.threshold(metric))
             setattr(th, name, _number(key, value, allow_none=True))
             self.thresholds = {**self.thresholds, metric: th}

@@ -76,7 +76,8 @@ def _disk(node: NodeSpec, metric: str, path: str) -> CheckResult:
 def _gpu_errors(node: NodeSpec, timeout_s: float) -> list[CheckResult]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return [CheckResult("health", m, [node.node_id], "gpu", None, "count", status=SKIP, detail="nvidia-smi not found")
+        return [CheckResult("health", m, [node.node_id], "gpu", None, "count", status=SKIP,
+                            detail="nvidia-smi not found")
                 for m in ("ecc_uncorrected", "xid")]
     rows = []
     try:

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> dict:
                   "parallelism": {"dp": 4}, "batch": {"micro": 1, "global": 4},
                   "cluster": {"nodes": 4, "spares": 2},
                   # Silence and hang thresholds of 2 heartbeat intervals: the detection goal.
-                  "control": {"heartbeat_s": HEARTBEAT_S, "dead_after_s": 2 * HEARTBEAT_S, "hang_after_s": 2 * HEARTBEAT_S,
+                  "control": {"heartbeat_s": HEARTBEAT_S, "dead_after_s": 2 * HEARTBEAT_S,
+                              "hang_after_s": 2 * HEARTBEAT_S,
                               "selfcheck": False, "max_restarts": 10, "start_timeout_s": 90, "command_timeout_s": 20},
                   "checkpoint": {"uri": str(root / "ckpt"), "every": 10},
                   "train": {"steps": 100000, "run_dir": str(root / "runs")}}

@@ -122,7 +122,8 @@ def _corrupt(checkpoint: CheckpointConfig, store: JobStore) -> str:
         if not steps:
             raise ChaosError(f"corrupt-checkpoint: no committed checkpoint under {checkpoint.uri} yet")
         step = max(steps)
-        paths = [storage.path(step_dir(step), entry["file"]) for entry in read_manifest(storage, step)["shards"].values()]
+        paths = [storage.path(step_dir(step), entry["file"])
+                 for entry in read_manifest(storage, step)["shards"].values()]
         for path in paths:
             with storage.fs.open_input_stream(path) as f:
                 data = bytearray(f.read())

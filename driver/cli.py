@@ -69,7 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         (("kind",), dict(choices=KINDS)),
         (("--node",), dict(default="n0", help="node id (default n0)")),
         (("--rank",), dict(type=int, help="global rank (default: the node's first)")),
-        (("--count",), dict(type=int, default=0, help="crash-loop: stop after this many kills (0 = until the job ends)")))
+        (("--count",), dict(type=int, default=0,
+                            help="crash-loop: stop after this many kills (0 = until the job ends)")))
     add("logs", "print a job's logs (driver and nodes)", _logs, job,
         (("--node",), dict(help="only this node's executor and ranks")),
         (("--follow", "-f"), dict(action="store_true", help="keep printing as the logs grow")))

@@ -302,7 +302,8 @@ class Driver:
             fault = self._localize(rec, fault)
             self._next_phase(rec, "stop")
         if rec.waiting_op == "stop":
-            self._send_all(rec, "stop", lambda slot: {"incarnation": rec.incarnation}, skip=lambda slot: slot.node in silent)
+            self._send_all(rec, "stop", lambda slot: {"incarnation": rec.incarnation},
+                           skip=lambda slot: slot.node in silent)
             done, _, missing = self._acks(rec)
             timed_out = time.time() - rec.waiting_since > ctl.command_timeout_s
             if not done and not timed_out and set(missing) - set(silent):
@@ -359,7 +360,8 @@ class Driver:
         suspects = set(rec.suspects) or ({fault.node} if fault.node else {s.node for s in rec.slots("active")})
         rpn, p = self.cfg.ranks_per_node, self.cfg.parallelism
         index = {s.index: s.node for s in rec.slots("active")}
-        ranks = {r for s in rec.slots("active") if s.node in suspects for r in range(s.index * rpn, (s.index + 1) * rpn)}
+        ranks = {r for s in rec.slots("active") if s.node in suspects
+                 for r in range(s.index * rpn, (s.index + 1) * rpn)}
         peers = {index.get(r // rpn) for r in peers_of(ranks, group_members(p.tp, p.pp, p.dp))}
         return sorted(n for n in (suspects | peers) - {None}
                       if not rec.slot(n).dead and not self._gone(n))  # type: ignore[arg-type]
@@ -381,7 +383,8 @@ class Driver:
         waiting = ", ".join(f"rank {r}: {w}" for r, w in sorted(report.waiting.items())[:4])
         if nodes:
             message = f"hang localised to {', '.join(nodes)}: {report.reason}" + (f" ({waiting})" if waiting else "")
-            fault = Fault("hang", nodes[0], f"{fault.message}; {message}", {**fault.detail, "suspect_ranks": report.suspects})
+            fault = Fault("hang", nodes[0], f"{fault.message}; {message}",
+                          {**fault.detail, "suspect_ranks": report.suspects})
             rec.fault = dataclasses.asdict(fault)
             if rec.recovery is not None:
                 rec.recovery["node"] = nodes[0]
@@ -422,7 +425,8 @@ class Driver:
     def _evict(self, rec: JobRecord, node: str, why: str) -> None:
         spare = self.pool.evict(rec, node)
         self._ensure_nodes(rec)  # a new spare takes the place of the one used
-        self._event("node", f"evicted {node} ({why}); " + (f"{spare.node} takes its place" if spare else "no spare left"),
+        self._event("node",
+                    f"evicted {node} ({why}); " + (f"{spare.node} takes its place" if spare else "no spare left"),
                     rec, node=node, replacement=spare.node if spare else None)
         self.store.save(rec)
 
@@ -464,7 +468,8 @@ class Driver:
         now = time.time()
         occurred = self._occurred(rec, fault, now)
         rec.recovery = {"kind": fault.kind, "node": fault.node, "occurred": occurred, "detected": now,
-                        "step": self._progress(rec).get("step") or self._last_progress[0][1] or 0, "incarnation": rec.incarnation}
+                        "step": self._progress(rec).get("step") or self._last_progress[0][1] or 0,
+                        "incarnation": rec.incarnation}
         fault.detail = {**fault.detail, "detection_s": round(now - occurred, 2)}
         rec.suspects, rec.bad, rec.rechecked = [], {}, []
         rec.fault = dataclasses.asdict(fault)
@@ -498,15 +503,17 @@ class Driver:
         if step >= r["step"]:
             r["caught_up"] = now
             t = {k: round(v, 2) for k, v in {
-                "detection_s": r["detected"] - r["occurred"], "diagnosis_s": r.get("diagnosed", r["detected"]) - r["detected"],
+                "detection_s": r["detected"] - r["occurred"],
+                "diagnosis_s": r.get("diagnosed", r["detected"]) - r["detected"],
                 "restart_s": r["resumed"] - r.get("diagnosed", r["detected"]), "catchup_s": now - r["resumed"],
                 "total_s": now - r["occurred"]}.items()}
             done = {"kind": r["kind"], "node": r["node"], "step": r["step"], "restored_step": r["restored_step"],
                     "steps_lost": r["steps_lost"], **t}
             rec.recoveries.append(done)
             rec.recovery = None
-            self._event("info", f"recovered from {done['kind']} in {t['total_s']:.1f} s (detect {t['detection_s']:.1f}, "
-                        f"diagnose {t['diagnosis_s']:.1f}, restart {t['restart_s']:.1f}, catch up {t['catchup_s']:.1f}: "
+            self._event("info", f"recovered from {done['kind']} in {t['total_s']:.1f} s "
+                        f"(detect {t['detection_s']:.1f}, diagnose {t['diagnosis_s']:.1f}, "
+                        f"restart {t['restart_s']:.1f}, catch up {t['catchup_s']:.1f}: "
                         f"{done['steps_lost']} steps replayed)", rec, node=r["node"],
                         **{k: v for k, v in done.items() if k != "node"})
 
@@ -711,7 +718,8 @@ class Driver:
             hb = view.hb
             if hb.incarnation == rec.incarnation and hb.step is not None and hb.step >= best.get("step", -1):
                 if hb.loss is not None or "loss" not in best:
-                    best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s, "step_time": hb.step_time}
+                    best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s,
+                            "step_time": hb.step_time}
         return best
 
     def _status(self, rec: JobRecord) -> JobStatus:
@@ -744,5 +752,6 @@ def _selfcheck_failure(detail: str) -> Optional[str]:
         report = json.loads(detail)
     except ValueError:
         return None
-    failed = sorted({f for n in report.get("nodes", []) for f in n.get("failed", [])}) if isinstance(report, dict) else []
+    failed = (sorted({f for n in report.get("nodes", []) for f in n.get("failed", [])})
+              if isinstance(report, dict) else [])
     return ", ".join(failed) or "failed"

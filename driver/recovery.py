@@ -23,7 +23,8 @@ FATAL_ERRORS = {"nccl_timeout", "cuda_error", "oom"}
 
 @dataclass
 class Fault:
-    kind: str  # node_dead | rank_failed | ranks_stopped | rank_error | nan_loss | hang | straggler | start_failed | unresponsive | evicted
+    kind: str  # node_dead | rank_failed | ranks_stopped | rank_error | nan_loss | hang | straggler |
+               # start_failed | unresponsive | evicted
     node: Optional[str]
     message: str  # one line for `status` and the events topic
     detail: dict = field(default_factory=dict)
@@ -99,7 +100,8 @@ class RecoveryPolicy:
         if dead and not cfg.control.auto_recover:
             node = dead[0]
             return "pause", (f"node {node} is dead ({fault.message if fault.node == node else 'unresponsive'}); "
-                             f"`megascale evict {rec.job} {node}` replaces it with a spare, then `megascale resume {rec.job}`")
+                             f"`megascale evict {rec.job} {node}` replaces it with a spare, "
+                             f"then `megascale resume {rec.job}`")
         if fault.kind == "evicted":
             return "restart", f"{fault.message}; restarting with the replacement"
         gone = sorted(set(dead) | set(bad))

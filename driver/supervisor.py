@@ -156,7 +156,8 @@ class Supervisor:
     def _stop_leftover_nodes(self, store: JobStore, services: Services, run_dir: Path) -> None:
         """Whatever happened to the driver, no node outlives the supervisor."""
         try:
-            launch = NodeLaunch(self.job, services.redis_url, services.kafka, str(run_dir), self.cfg.control.heartbeat_s)
+            launch = NodeLaunch(self.job, services.redis_url, services.kafka, str(run_dir),
+                                self.cfg.control.heartbeat_s)
             backend = make_backend(self.cfg.cluster.backend, launch, store.r)
             alive = [n for n, info in backend.list().items() if info.alive]
             if alive:

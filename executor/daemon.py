@@ -95,7 +95,8 @@ class Executor:
                     self._heartbeat()
                 self._heartbeat_if_due()
                 if self._redis_down_since and time.monotonic() - self._redis_down_since > self.redis_grace_s:
-                    log.error("Redis unreachable for %.0f s: the job's control plane is gone; exiting", self.redis_grace_s)
+                    log.error("Redis unreachable for %.0f s: the job's control plane is gone; exiting",
+                              self.redis_grace_s)
                     code = 1
                     break
         finally:
@@ -243,7 +244,8 @@ class Executor:
         last, out = int(args.get("last", 64)), {}
         for p in self.group.procs:
             try:
-                out[str(p.rank)] = [dataclasses.asdict(r) for r in read_records(self.run_dir / f"flight-rank{p.rank}.bin")[-last:]]
+                out[str(p.rank)] = [dataclasses.asdict(r)
+                                    for r in read_records(self.run_dir / f"flight-rank{p.rank}.bin")[-last:]]
             except (OSError, ValueError) as e:  # no recorder (stand-in rank) or half-written: say so, keep the rest
                 out[str(p.rank)] = {"error": str(e).splitlines()[0] if str(e) else type(e).__name__}
         return True, json.dumps(out)

@@ -34,7 +34,8 @@ ERROR_PATTERNS: list[tuple[str, re.Pattern]] = [
     ("oom", re.compile(r"out of memory|OutOfMemoryError|\bMemoryError\b|Cannot allocate memory")),
     ("cuda_error", re.compile(r"CUDA error|CUBLAS_STATUS|cudaError|device-side assert")),
     ("comm_error", re.compile(r"NCCL (WARN|error)|nccl\w*Error|Connection (closed|reset) by peer|"
-                              r"DistNetworkError|DistStoreError|Rendezvous(Error|Timeout)|Gloo.*(timed out|closed)", re.I)),
+                              r"DistNetworkError|DistStoreError|Rendezvous(Error|Timeout)|"
+                              r"Gloo.*(timed out|closed)", re.I)),
     ("python_exception", re.compile(r"^([A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(Error|Exception|Interrupt|Exit)\b(:|$)")),
 ]
 
@@ -107,7 +108,8 @@ class RankGroup:
             offset = out.tell()
             entry = os.environ.get(RANK_ENTRY_ENV)
             argv = [sys.executable, entry] if entry else [sys.executable, "-m", "megascale.executor.rank"]
-            proc = subprocess.Popen(argv + [str(spec_path)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv + [str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL,
                                     env={**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
                                          "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(local_world),
                                          "MEGASCALE_INCARNATION": str(self.incarnation)})

@@ -137,9 +137,11 @@ class ControlConfig:
     selfcheck: bool = True  # run the self-check suite on suspects and their group peers before restarting
     selfcheck_checks: str = "gemm"  # comma-separated `megascale diagnose --checks`
     selfcheck_budget_s: float = 30.0  # per node
-    crashed_selfcheck: Literal["evict", "retry"] = "evict"  # a crashed rank's node failing its check: evict, or check once more
+    crashed_selfcheck: Literal["evict", "retry"] = "evict"  # a crashed rank's node failing its check: evict,
+                                                            # or check once more
     evict_stragglers: bool = False  # a rank the straggler policy names is a fault (its node gets checked)
-    prometheus_port: int = 0  # the driver serves /metrics here; 0 = a free port, written to the job state file; -1 = off
+    prometheus_port: int = 0  # the driver serves /metrics here; 0 = a free port, written to the job state file;
+                              # -1 = off
 
 
 @dataclass
@@ -302,7 +304,8 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"parallelism.vpp={p.vpp} needs parallelism.pp > 1")
     if p.vpp > 1 and cfg.microbatches % p.pp:
         raise ConfigError(
-            f"batch: {cfg.microbatches} microbatches per DP rank is not divisible by parallelism.pp={p.pp} (needed by vpp > 1)"
+            f"batch: {cfg.microbatches} microbatches per DP rank is not divisible by parallelism.pp={p.pp} "
+            "(needed by vpp > 1)"
         )
     if len(o.betas) != 2 or not all(0.0 <= x < 1.0 for x in o.betas):
         raise ConfigError(f"optimizer.betas={list(o.betas)}: must be two numbers in [0, 1)")
@@ -339,19 +342,22 @@ def _validate_cluster(cfg: JobConfig) -> None:
     if c.ranks_per_node is None and world % c.nodes:
         raise ConfigError(f"cluster.nodes={c.nodes} does not divide the world size {world} (tp*pp*dp)")
     if c.ranks_per_node is not None and c.nodes * c.ranks_per_node != world:
-        raise ConfigError(f"cluster.nodes*ranks_per_node={c.nodes * c.ranks_per_node} must equal the world size {world} (tp*pp*dp)")
+        raise ConfigError(f"cluster.nodes*ranks_per_node={c.nodes * c.ranks_per_node} must equal the world size "
+                          f"{world} (tp*pp*dp)")
     if cfg.ranks_per_node % cfg.parallelism.tp:
         raise ConfigError(f"cluster: {cfg.ranks_per_node} ranks per node is not a multiple of parallelism.tp="
                           f"{cfg.parallelism.tp} (a TP group stays inside one node)")
     for name in ("heartbeat_s", "dead_after_s", "start_timeout_s", "command_timeout_s"):
         _positive(f"control.{name}", getattr(ctl, name))
     if ctl.dead_after_s < 2 * ctl.heartbeat_s:
-        raise ConfigError(f"control.dead_after_s={ctl.dead_after_s}: must be at least twice control.heartbeat_s={ctl.heartbeat_s}")
+        raise ConfigError(f"control.dead_after_s={ctl.dead_after_s}: "
+                          f"must be at least twice control.heartbeat_s={ctl.heartbeat_s}")
     if ctl.hang_after_s < 0:
         raise ConfigError(f"control.hang_after_s={ctl.hang_after_s}: must be >= 0 (0 turns hang detection off)")
     _positive("control.selfcheck_budget_s", ctl.selfcheck_budget_s)
     if ctl.prometheus_port < -1 or ctl.prometheus_port > 65535:
-        raise ConfigError(f"control.prometheus_port={ctl.prometheus_port}: must be -1 (off), 0 (any free port) or a port")
+        raise ConfigError(f"control.prometheus_port={ctl.prometheus_port}: "
+                          "must be -1 (off), 0 (any free port) or a port")
     if ctl.max_restarts < 0:
         raise ConfigError(f"control.max_restarts={ctl.max_restarts}: must be >= 0")
     if ctl.evict_stragglers and not ctl.auto_recover:

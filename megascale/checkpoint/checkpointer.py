@@ -645,7 +645,8 @@ class Assembly:
                 lo, hi = max(start_, ostart), min(start_ + length, ostart + olength)
                 if lo < hi:
                     for k in STATE_KEYS:
-                        self.state[k][at + lo - start_:at + hi - start_] = tensors[k][oat + lo - ostart:oat + hi - ostart]
+                        self.state[k][at + lo - start_:at + hi - start_] = \
+                            tensors[k][oat + lo - ostart:oat + hi - ostart]
                     self.covered += hi - lo
         if self.data is None or j == self.own:
             self.data, self.optimizer_step = meta["data"], meta["optimizer_step"]

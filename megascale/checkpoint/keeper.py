@@ -4,7 +4,8 @@ It holds each local rank's latest snapshot (a memfd the rank filled in phase 1),
 storage with a checksum when asked, and writes the manifest for rank 0. It outlives the
 training processes, so after the ranks restart on the same node they get their snapshots back
 from it instead of from storage. It exits after `--idle-s` seconds without a connected rank,
-on a `shutdown` message, or when the executor named by MEGASCALE_NODE_PID exits (the node is gone). A rank starts it on demand; an executor daemon can start and own
+on a `shutdown` message, or when the executor named by MEGASCALE_NODE_PID exits (the node is gone).
+A rank starts it on demand; an executor daemon can start and own
 it instead by running `python -m megascale.checkpoint.keeper --uri URI` itself.
 
 No torch here, so it starts in a fraction of a second.

@@ -106,7 +106,8 @@ def localize_hang(records: dict[int, list[OpRecord]], group_members: dict[str, l
         stuck = next((r for r in ops if r.ended is None), None)
         if stuck is None:
             continue
-        waiting[rank] = f"{stuck.op} #{stuck.seq} on {stuck.group}" + (f" with rank {stuck.peer}" if stuck.peer >= 0 else "")
+        waiting[rank] = (f"{stuck.op} #{stuck.seq} on {stuck.group}"
+                         + (f" with rank {stuck.peer}" if stuck.peer >= 0 else ""))
         if stuck.peer >= 0:  # P2P: the peer's matching operation on the same group, towards us
             blockers = {stuck.peer} if entered(stuck.peer, stuck.group, rank) < stuck.seq else set()
         else:

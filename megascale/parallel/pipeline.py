@@ -95,7 +95,8 @@ class _Channel:
 
     def post_recv(self) -> None:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.pending.append((buf, InFlight(dist.irecv(buf, self.peer, group=self.group.pg), self.group, "recv", self.peer)))
+        self.pending.append((buf, InFlight(dist.irecv(buf, self.peer, group=self.group.pg),
+                                           self.group, "recv", self.peer)))
 
     def recv(self) -> torch.Tensor:
         buf, work = self.pending.pop(0)

@@ -118,7 +118,8 @@ class ParallelContext:
             group.recorder = recorder
 
     def describe(self) -> str:
-        return f"rank {self.rank} (tp {self.tp.rank}/{self.tp.size}, pp {self.pp.rank}/{self.pp.size}, dp {self.dp.rank}/{self.dp.size})"
+        return (f"rank {self.rank} (tp {self.tp.rank}/{self.tp.size}, pp {self.pp.rank}/{self.pp.size}, "
+                f"dp {self.dp.rank}/{self.dp.size})")
 
 
 def groups_to_create(layout: Layout, rank: int) -> list[tuple[str, list[int]]]:

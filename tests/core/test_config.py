@@ -23,14 +23,17 @@ def test_defaults_validate_and_round_trip():
 
 @pytest.mark.parametrize("sections, message", [
     ({"parallelism": {"tp": 3}}, "parallelism.tp=3 does not divide model.heads=4"),
-    ({"model": {"heads": 8, "hidden": 64, "ffn": 100}, "parallelism": {"tp": 8}}, "parallelism.tp=8 does not divide model.ffn=100"),
+    ({"model": {"heads": 8, "hidden": 64, "ffn": 100}, "parallelism": {"tp": 8}}, "parallelism.tp=8 does not divide "
+                                                                                  "model.ffn=100"),
     ({"parallelism": {"pp": 3}}, "model.layers=4 is not divisible by parallelism.pp*vpp=3"),
     ({"parallelism": {"pp": 2, "vpp": 4}}, "model.layers=4 is not divisible by parallelism.pp*vpp=8"),
     ({"parallelism": {"dp": 3}}, "batch.global=8 is not divisible by batch.micro*parallelism.dp=3"),
-    ({"parallelism": {"tp": 4, "sequence_parallel": True}, "model": {"seq": 30}}, "parallelism.tp=4 does not divide model.seq=30"),
+    ({"parallelism": {"tp": 4, "sequence_parallel": True}, "model": {"seq": 30}}, "parallelism.tp=4 does not divide "
+                                                                                  "model.seq=30"),
     ({"model": {"window": 64}}, "model.window=64: must be in 1..model.seq=32"),
     ({"parallelism": {"vpp": 2}}, "parallelism.vpp=2 needs parallelism.pp > 1"),
-    ({"parallelism": {"pp": 2, "vpp": 2}, "batch": {"global": 6, "micro": 2}}, "3 microbatches per DP rank is not divisible by parallelism.pp=2"),
+    ({"parallelism": {"pp": 2, "vpp": 2}, "batch": {"global": 6, "micro": 2}}, "3 microbatches per DP rank "
+                                                                               "is not divisible by parallelism.pp=2"),
     ({"model": {"block": "fancy"}}, "model.block='fancy': must be one of serial, parallel"),
     ({"optimizer": {"name": "sgd"}}, "optimizer.name='sgd': must be one of lamb, adamw"),
     ({"model": {"layers": "four"}}, "model.layers='four': must be an integer"),
@@ -38,7 +41,8 @@ def test_defaults_validate_and_round_trip():
     ({"optimizer": {"lr": -1}}, "optimizer.lr=-1.0: must be > 0"),
     ({"model": {"hidden": 60, "heads": 4}}, "model.hidden/model.heads=15 must be even"),
     ({"data": {"source": "shards"}}, "data.path: required when data.source=shards"),
-    ({"control": {"evict_stragglers": True, "auto_recover": False}}, "control.evict_stragglers: needs control.auto_recover"),
+    ({"control": {"evict_stragglers": True, "auto_recover": False}}, "control.evict_stragglers: "
+                                                                     "needs control.auto_recover"),
 ])
 def test_bad_config_names_the_field(sections, message):
     with pytest.raises(ConfigError) as err:

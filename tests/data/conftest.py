@@ -9,7 +9,8 @@ import pytest
 from megascale.data import make_batch_source
 from megascale.data.prepare import prepare
 
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho"]
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu",
+         "xi", "omicron", "pi", "rho"]
 
 
 def write_corpus(folder: Path, docs: int = 60, seed: int = 0) -> Path:

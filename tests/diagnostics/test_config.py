@@ -107,7 +107,8 @@ def test_run_suite_rejects_bad_input_before_running(fast_config):
     (["diagnose", "--nodes", "a,a"], "nodes[1].node_id='a' is duplicated"),
     (["diagnose", "--budget-s", "0"], "budget_s=0.0 must be a number > 0"),
     (["diagnose", "--checks", "gemm,nope"], "checks: unknown check 'nope'"),
-    (["diagnose", "--set", "thresholds.gemm.flops.min_ratio=2"], "thresholds.gemm.flops.min_ratio=2.0 must be in (0, 1]"),
+    (["diagnose", "--set", "thresholds.gemm.flops.min_ratio=2"], "thresholds.gemm.flops.min_ratio=2.0 "
+                                                                 "must be in (0, 1]"),
     (["diagnose", "--interfaces", "nosuchnic0"], "interfaces: nosuchnic0 not found"),
     (["diagnose", "--inject", "a:SLOW_GEMM=0.5", "--nodes", "a"], "needs allow_fault_injection"),
     (["diagnose", "--inject", "zz:SLOW_GEMM=0.5", "--nodes", "a"], "--inject 'zz:SLOW_GEMM=0.5'"),

