@@ -64,6 +64,7 @@ class Driver:
         self._news_lock = threading.Lock()
         self._timings_incarnation = 0
         self._exited_nodes: set[str] = set()
+        self._announced_wait: tuple = ()  # the checkpoint wait last reported as not a hang
         self._exited_checked = 0.0
         self._shown: dict = {}  # the newest status, as plain data, for /metrics
         self.prometheus_url: Optional[str] = None
@@ -528,12 +529,35 @@ class Driver:
 
     def _hang(self, rec: JobRecord) -> Optional[Fault]:
         """Heartbeats arrive, but the step has not moved for control.hang_after_s (before the
-        incarnation's first step: for control.start_timeout_s, as ranks load and restore first)."""
+        incarnation's first step: for control.start_timeout_s, as ranks load and restore first;
+        after the last one: for control.command_timeout_s, as they commit and exit; while ranks
+        wait on a checkpoint persisting: for checkpoint.persist_timeout_s)."""
         ctl = self.cfg.control
+        if not ctl.hang_after_s:
+            return None
         (_, step), since = self._last_progress
+        waits = [(v.hb.waiting_since, v.hb.waiting, s.node) for s in rec.slots("active")
+                 if (v := self.ingest.nodes.get(s.node)) and v.hb.incarnation == rec.incarnation and v.hb.waiting]
+        if waits:
+            since_wall, what, node = min(waits)
+            waited = time.time() - since_wall
+            if waited > self.cfg.checkpoint.persist_timeout_s:
+                return Fault("hang", node, f"no training progress: ranks on {node} have waited {waited:.0f} s for "
+                             f"{what} (storage stuck or too slow; checkpoint.persist_timeout_s)",
+                             {"step": step, "waiting": what})
+            self._last_progress = (self._last_progress[0], time.time())  # the clock restarts when the wait ends
+            if self._announced_wait != (rec.incarnation, what):
+                self._announced_wait = (rec.incarnation, what)
+                self._event("info", f"training waits for {what} on {node}: not a hang until checkpoint."
+                            f"persist_timeout_s={self.cfg.checkpoint.persist_timeout_s:.0f} s", rec, node=node)
+            return None
         quiet = time.time() - max(since, rec.entered)
-        after = ctl.hang_after_s if step is not None else max(ctl.hang_after_s, ctl.start_timeout_s)
-        if not ctl.hang_after_s or quiet <= after:
+        after = ctl.hang_after_s
+        if step is None:
+            after = max(after, ctl.start_timeout_s)
+        elif step >= self.cfg.train.steps:  # the last step is done: ranks commit and exit
+            after = max(after, ctl.command_timeout_s)
+        if quiet <= after:
             return None
         if step is None:
             return Fault("hang", None, f"incarnation {rec.incarnation} reported no step within {quiet:.0f} s "

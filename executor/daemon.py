@@ -295,13 +295,14 @@ class Executor:
         self.seq += 1
         group = self.group
         newest = group.newest() if group else {}
+        waiting, waiting_since = (group.waiting() if group else None) or (None, None)
         hb = Heartbeat(job=self.job, node=self.node, host=self.host, ip=self.ip, boot_id=self.boot_id, seq=self.seq,
                        time=time.time(), interval_s=self.heartbeat_s, phase=self.phase,  # type: ignore[arg-type]
                        incarnation=group.incarnation if group else None,
                        ranks=group.statuses() if group else [], step=newest.get("step"),
                        step_time=newest.get("step_time"), loss=newest.get("loss"),
                        tokens_per_s=newest.get("tokens_per_s"), restored_step=group.restored_step() if group else None,
-                       errors=list(group.errors) if group else [],
+                       waiting=waiting, waiting_since=waiting_since, errors=list(group.errors) if group else [],
                        metrics=host_metrics())
         self._send("heartbeats", encode(hb))
 

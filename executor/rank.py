@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -93,7 +94,8 @@ def main(argv: list[str]) -> int:
         ctx = build_context(layout_of(cfg), spec.rank, device, cfg.parallelism.sequence_parallel)
         progress.write({"state": "running"})
         history = train_rank(ctx, cfg, spec.run_dir, on_step=progress.write,
-                             on_start=lambda step: progress.write({"restored_step": step}))
+                             on_start=lambda step: progress.write({"restored_step": step}),
+                             on_wait=lambda what: progress.write({"waiting": what, "since": time.time()}))
         progress.write({"state": "done", **({"step": history[-1]["step"]} if history else {})})
     finally:
         if dist.is_initialized():

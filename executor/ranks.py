@@ -67,6 +67,7 @@ class RankProcess:
     done: bool = False
     last: dict = field(default_factory=dict)  # newest step statistics
     restored_step: Optional[int] = None  # the step it started from, once known
+    waiting: Optional[tuple[str, float]] = None  # (what, since when) it is blocked on outside a step
 
     def state(self) -> RankState:
         code = self.proc.poll()
@@ -144,6 +145,8 @@ class RankGroup:
             p.running = True
             if "restored_step" in record:
                 p.restored_step = record["restored_step"]
+            if "waiting" in record:
+                p.waiting = (record["waiting"], record["since"]) if record["waiting"] else None
             if record.get("state") == "done":  # every rank learns the last step, not only the reporter
                 p.done = True
                 if "step" in record:
@@ -180,6 +183,11 @@ class RankGroup:
         """The step the local ranks started from (they restore the same one), once all reported it."""
         steps = [p.restored_step for p in self.procs]
         return None if None in steps else min(steps)  # type: ignore[type-var]
+
+    def waiting(self) -> Optional[tuple[str, float]]:
+        """What the longest-waiting live local rank is blocked on outside a step, and since when."""
+        waits = [p.waiting for p in self.procs if p.waiting and p.proc.poll() is None]
+        return min(waits, key=lambda w: w[1]) if waits else None
 
     def alive(self) -> bool:
         return any(p.proc.poll() is None for p in self.procs)

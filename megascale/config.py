@@ -107,6 +107,8 @@ class CheckpointConfig:
     resume: bool = False  # start from the newest committed checkpoint under uri (`train --resume`)
     filesystem: Optional[str] = None  # "module:function" (uri) -> (pyarrow FileSystem, path); None = from the uri
     keeper_idle_s: float = 900.0  # the node's snapshot keeper exits this long after its last rank disconnects
+    # Training blocked on a persist (the previous checkpoint still writing) is not a hang for this long.
+    persist_timeout_s: float = 600.0
 
 
 @dataclass
@@ -322,6 +324,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     if (cfg.checkpoint.every or cfg.checkpoint.resume) and not cfg.checkpoint.uri:
         raise ConfigError("checkpoint.uri: required when checkpoint.every > 0 or checkpoint.resume is set")
     _positive("checkpoint.keeper_idle_s", cfg.checkpoint.keeper_idle_s)
+    _positive("checkpoint.persist_timeout_s", cfg.checkpoint.persist_timeout_s)
     _positive("data.prefetch", cfg.data.prefetch)
     _positive("data.shuffle_window", cfg.data.shuffle_window)
     if cfg.data.seed < 0:

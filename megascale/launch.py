@@ -116,11 +116,13 @@ def layout_of(cfg: JobConfig) -> Layout:
 
 def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                on_step: Optional[Callable[[dict], None]] = None,
-               on_start: Optional[Callable[[int], None]] = None) -> list[dict]:
+               on_start: Optional[Callable[[int], None]] = None,
+               on_wait: Optional[Callable[[Optional[str]], None]] = None) -> list[dict]:
     """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
     steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
     reporting rank appends metrics.jsonl and calls `on_step(stats)`. `on_start(step)` learns the
-    step training starts from (a restored checkpoint's, else 0)."""
+    step training starts from (a restored checkpoint's, else 0); `on_wait(what)` what training is
+    blocked on outside a step (a checkpoint persisting), then `on_wait(None)`."""
     from megascale.checkpoint import Checkpointer
     from megascale.parallel.flight_recorder import FlightRecorder
     from megascale.train import Trainer
@@ -135,6 +137,8 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     ckpt = cfg.checkpoint
     checkpointer = Checkpointer(cfg, ctx, trainer.optimizer) if ckpt.every or ckpt.resume else None
     if checkpointer:
+        if on_wait is not None:
+            checkpointer.on_wait = on_wait
         if ckpt.resume:
             checkpointer.restore(trainer)
         if ckpt.every:

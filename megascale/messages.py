@@ -95,6 +95,8 @@ class Heartbeat:
     loss: Optional[float] = None
     tokens_per_s: Optional[float] = None
     restored_step: Optional[int] = None  # the step this incarnation's ranks started from (0: from scratch)
+    waiting: Optional[str] = None  # what a local rank is blocked on outside a step, e.g. a checkpoint persisting
+    waiting_since: Optional[float] = None  # sender's wall clock
     errors: list[ErrorLine] = field(default_factory=list)  # recent error lines of this incarnation
     metrics: HostMetrics = field(default_factory=HostMetrics)
     kind: Literal["heartbeat"] = "heartbeat"

@@ -60,6 +60,8 @@ class Checkpointer:
         self.link: Optional[KeeperLink] = None
         self.buffer: Optional[HostBuffer] = None
         self.pending: Optional[int] = None  # step handed to the keeper, not yet resolved everywhere
+        # Told what training is blocked on while it waits for the keeper (a string), then None.
+        self.on_wait: Callable[[Optional[str]], None] = lambda what: None
         self.result: Optional[dict] = None  # this rank's persist outcome for `pending`
         self.commit_pending: Optional[int] = None  # rank 0: manifest write in flight
         self.last_committed: Optional[int] = None
@@ -144,7 +146,7 @@ class Checkpointer:
         """Phase 1 (collective only if a previous persist is unfinished): snapshot, hand over, return."""
         started = time.perf_counter()
         if self.pending is not None:
-            self._resolve(block=True)
+            self._wait_for_persist()
             waited = time.perf_counter() - started
             if self.ctx.rank == 0:
                 log.warning("checkpoint at step %d waited %.2f s for the previous one to persist "
@@ -303,13 +305,28 @@ class Checkpointer:
             self.failures.setdefault(step, str(e))
             log.error("checkpoint step %d NOT committed: %s", step, e)
 
+    def _wait_for_persist(self) -> None:
+        """Blocks training until every rank's persist of `pending` ended (saying so through `on_wait`)."""
+        self.on_wait(f"checkpoint step {self.pending} to persist")
+        try:
+            self._resolve(block=True)
+        finally:
+            self.on_wait(None)
+
     def flush(self) -> Optional[int]:
         """Collective: waits for the pending checkpoint to commit (or fail); returns the last committed step."""
-        if self.pending is not None:
-            self._resolve(block=True)
-        if self.commit_pending is not None:
-            self._drain(until=lambda: self.commit_pending is None)
-        last = self._broadcast_json(self.last_committed if self.ctx.rank == 0 else None)
+        step = self.pending if self.pending is not None else self.commit_pending
+        if step is not None:
+            self.on_wait(f"checkpoint step {step} to persist")
+        try:
+            if self.pending is not None:
+                self._resolve(block=True)
+            if self.commit_pending is not None:
+                self._drain(until=lambda: self.commit_pending is None)
+            last = self._broadcast_json(self.last_committed if self.ctx.rank == 0 else None)
+        finally:
+            if step is not None:
+                self.on_wait(None)
         self.last_committed = last
         return last
 
@@ -393,6 +410,8 @@ class Checkpointer:
         try:
             link = self._connect()
             waited = time.monotonic()
+            if (link.snapshot or {}).get("state") == "persisting":
+                self.on_wait(f"checkpoint step {link.snapshot['step']} to persist")
             while (link.snapshot or {}).get("state") == "persisting":
                 if time.monotonic() - waited > 30:
                     log.warning("rank %d: waiting for the keeper to finish persisting step %d", self.ctx.rank,
@@ -406,6 +425,8 @@ class Checkpointer:
                 self._keeper_lost(str(e))
             log.warning("rank %d: no checkpoint keeper (%s)", self.ctx.rank, e)
             return {}
+        finally:
+            self.on_wait(None)
         return dict(link.snapshot or {})
 
     def _committed(self) -> list[int] | str:

@@ -151,3 +151,28 @@ def test_every_fault_kind_in_a_row_ends_on_the_uninterrupted_loss_trajectory(tmp
     for s in range(1, STEPS + 1):
         assert recovered_losses[s] == pytest.approx(reference[s], rel=1e-5), s
     job.assert_services_gone()
+
+
+@pytest.mark.slow
+def test_training_blocked_on_a_slow_checkpoint_persist_is_not_a_hang(tmp_path, capsys, wait, monkeypatch):
+    """Storage slower than checkpoint.every: each save waits for the previous persist longer than
+    hang_after_s. The ranks say so in their heartbeats and the driver waits (up to
+    checkpoint.persist_timeout_s) instead of restarting a healthy job."""
+    monkeypatch.delenv("MEGASCALE_RANK_ENTRY", raising=False)
+    path = Path(gpt_job(tmp_path, "gpt-slowfs", cluster=True))
+    config = yaml.safe_load(path.read_text())
+    config["checkpoint"].update(every=2, persist_timeout_s=60)
+    config["control"].update(hang_after_s=2, selfcheck=False)
+    config["train"]["steps"] = 8
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "gpt-slowfs").mkdir()
+    Path(f"{tmp_path / 'gpt-slowfs' / 'ckpt'}.fs.json").write_text(json.dumps({"delay_s": 3}))
+
+    job = launch(capsys, str(path), "gpt-slowfs")
+    final = wait(job.ended, 180, "the job to finish")
+    assert final["state"] == JobState.SUCCEEDED.value and final["step"] == 8, final
+    assert final["recoveries"] == [] and final["restarts"] == 0, final
+    log = (Path(job.handle.run_dir) / "driver.log").read_text()
+    assert "training waits for checkpoint step 2 to persist on n" in log, log[-2000:]
+    assert "not a hang until checkpoint.persist_timeout_s=60 s" in log
+    job.assert_services_gone()
