@@ -54,7 +54,8 @@ def job_table(job: str, status: dict, supervised: bool = True) -> Group:
         ranks = " ".join(f"{count} {state}" for state, count in n.get("ranks", {}).items()) or "-"
         role = n["role"] + (" (dead)" if n.get("dead") else "")
         style = "dim" if n["role"] == "evicted" else ("red" if n.get("dead") else "")
-        table.add_row(n["node"], role, n.get("host") or "-", age, n.get("phase") or "-", ranks,
+        phase = (n.get("phase") or "-") + (f": waiting for {n['waiting']}" if n.get("waiting") else "")
+        table.add_row(n["node"], role, n.get("host") or "-", age, phase, ranks,
                       _num(n.get("step"), "d"), "; ".join(n.get("errors", []))[:80], style=style)
     parts = [headline(job, status)]
     if status.get("nodes"):

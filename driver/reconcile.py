@@ -757,7 +757,9 @@ class Driver:
                 alive=slot.role != "evicted" and self._reporting(slot.node),
                 host=hb.ip if hb else "", phase=hb.phase if hb else "", last_heartbeat=view.wall if view else None,
                 ranks={s: states.count(s) for s in dict.fromkeys(states)}, step=hb.step if hb else None,
-                errors=[f"rank {e.rank}: {e.line}" for e in hb.errors[-3:]] if hb else []))
+                errors=[f"rank {e.rank}: {e.line}" for e in hb.errors[-3:]] if hb else [],
+                waiting=f"{hb.waiting} ({time.time() - hb.waiting_since:.0f} s)"
+                if hb and hb.waiting and hb.waiting_since and hb.incarnation == rec.incarnation else ""))
         progress = self._progress(rec)
         return JobStatus(job=self.job, state=rec.state.value, reason=rec.reason, incarnation=rec.incarnation,
                          restarts=rec.restarts, total_steps=self.cfg.train.steps, step=progress.get("step"),

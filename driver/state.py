@@ -134,6 +134,7 @@ class NodeStatus:
     ranks: dict[str, int] = field(default_factory=dict)  # rank state -> count, current incarnation
     step: Optional[int] = None
     errors: list[str] = field(default_factory=list)
+    waiting: str = ""  # what its ranks are blocked on outside a step, and for how long
 
 
 @dataclass

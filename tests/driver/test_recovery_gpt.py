@@ -169,6 +169,9 @@ def test_training_blocked_on_a_slow_checkpoint_persist_is_not_a_hang(tmp_path, c
     Path(f"{tmp_path / 'gpt-slowfs' / 'ckpt'}.fs.json").write_text(json.dumps({"delay_s": 3}))
 
     job = launch(capsys, str(path), "gpt-slowfs")
+    waiting = wait(lambda: [n["waiting"] for n in job.status().get("nodes", []) if n.get("waiting")], 90,
+                   "`megascale status` to show a node waiting for a checkpoint")
+    assert "to persist (" in waiting[0] and waiting[0].startswith("checkpoint step "), waiting
     final = wait(job.ended, 180, "the job to finish")
     assert final["state"] == JobState.SUCCEEDED.value and final["step"] == 8, final
     assert final["recoveries"] == [] and final["restarts"] == 0, final
