@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import redis
 import yaml
 
-from megascale.config import ConfigError, JobConfig, load_config
+from megascale.config import ConfigError, JobConfig, load_config, with_run_dir
 
 from . import log
 from .backend import NodeLaunch, make_backend
@@ -55,6 +55,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a closed terminal stops the job in order too
             signal.signal(sig, self._on_signal)
         run_dir = self._new_run_dir()
+        self.cfg = with_run_dir(self.cfg, run_dir)
         try:
             services = start_services(self.cfg.services.redis, self.cfg.services.kafka)
         except RuntimeError as e:

@@ -45,7 +45,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, name: str, help_te
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megascale.config import load_config
+    from megascale.checkpoint import CheckpointError, check_fresh_start
+    from megascale.config import ConfigError, load_config
     from megascale.launch import launch_local
 
     overrides = list(args.overrides)
@@ -56,6 +57,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         overrides.append("checkpoint.resume=true")
     cfg = load_config(args.config, overrides)
+    try:
+        check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     return launch_local(cfg, progress=not args.quiet)
 
 

@@ -399,4 +399,20 @@ def apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is not a mapping")
-    node[leaf] = yaml.safe_load(value)
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError:  # not YAML (e.g. "{run_dir}/ckpt"): the text itself
+        node[leaf] = value
+
+
+RUN_DIR = "{run_dir}"
+
+
+def with_run_dir(cfg: JobConfig, run_dir: str | Path) -> JobConfig:
+    """`cfg` with "{run_dir}" in checkpoint.uri replaced by this run's directory: checkpoints of
+    their own for every run, so a second run of the same YAML never restores the first one's."""
+    uri = cfg.checkpoint.uri
+    if not uri or RUN_DIR not in uri:
+        return cfg
+    resolved = dataclasses.replace(cfg.checkpoint, uri=uri.replace(RUN_DIR, str(run_dir)))
+    return dataclasses.replace(cfg, checkpoint=resolved)

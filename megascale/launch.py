@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megascale.config import JobConfig
+from megascale.config import JobConfig, with_run_dir
 from megascale.parallel.topology import Layout, ParallelContext, build_context
 
 RankFn = Callable[..., Any]
@@ -192,6 +192,7 @@ def launch_local(cfg: JobConfig, progress: bool = True) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     run_dir = new_run_dir(cfg)
+    cfg = with_run_dir(cfg, run_dir)
     queue = mp.get_context("fork").SimpleQueue() if progress else None
     layout = layout_of(cfg)
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),

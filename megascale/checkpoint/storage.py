@@ -235,6 +235,22 @@ def committed_steps(storage: Storage) -> list[int]:
     return [s for s, done in list_steps(storage).items() if done]
 
 
+def check_fresh_start(uri: Optional[str], resume: bool, factory: Optional[str] = None) -> None:
+    """A job that does not resume must not start on a checkpoint.uri holding another run's
+    checkpoints: its restarts would restore those (CheckpointError, one line, naming the fix)."""
+    if not uri or resume or "{run_dir}" in uri:
+        return
+    try:
+        steps = committed_steps(open_storage(uri, factory))
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.uri={uri}: cannot list it: {e}") from None
+    if steps:
+        raise CheckpointError(
+            f"checkpoint.uri={uri} already holds committed checkpoints (newest step {steps[-1]}) of an earlier run: "
+            f"set checkpoint.resume: true to continue from them, or use a new checkpoint.uri "
+            f"(\"{{run_dir}}/checkpoints\" gives every run its own)")
+
+
 def apply_retention(storage: Storage, keep: int) -> list[int]:
     """Keeps the newest `keep` committed checkpoints; drops older ones and abandoned partial ones."""
     steps = list_steps(storage)

@@ -34,3 +34,23 @@ def test_train_saves_every_n_steps_and_resume_continues_exactly(tmp_path):
     first, second = metrics(tmp_path / "first"), metrics(tmp_path / "second")
     assert [m["step"] for m in second] == [5, 6]
     assert [m["loss"] for m in second] == [m["loss"] for m in first[4:]]
+
+
+def test_a_fresh_job_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, capsys):
+    """Its restarts would restore the other run's newest checkpoint: one line naming the fix."""
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+        "batch": {"micro": 1, "global": 2}, "checkpoint": {"uri": str(tmp_path / "ckpt"), "every": 2},
+        "train": {"steps": 2, "run_dir": str(tmp_path / "runs")}}))
+    assert main(["train", str(config), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(config), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds committed checkpoints (newest step 2) of an earlier run: set checkpoint.resume: true" in err
+    assert "\n" not in err and "Traceback" not in err
+    assert main(["train", str(config), "--quiet", "--resume"]) == 0  # continuing is what resume is for
+    per_run = {"uri": "{run_dir}/checkpoints", "every": 2}
+    assert main(["train", str(config), "--quiet", "--set", f"checkpoint.uri={per_run['uri']}"]) == 0
+    assert main(["train", str(config), "--quiet", "--set", f"checkpoint.uri={per_run['uri']}"]) == 0
+    assert len(list((tmp_path / "runs").glob("*/checkpoints/step-00000002/manifest.json"))) == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megascale.cli import main
-from megascale.config import ConfigError, from_dict, load_config
+from megascale.config import ConfigError, from_dict, load_config, with_run_dir
 
 
 def good(**sections):
@@ -82,3 +82,13 @@ def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
 def test_cli_missing_config_file(capsys):
     assert main(["train", "/nonexistent/job.yaml"]) == 2
     assert "no such config file" in capsys.readouterr().err
+
+
+def test_override_values_that_are_not_yaml_are_text_and_run_dir_resolves(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text("checkpoint: {every: 2}\n")
+    cfg = load_config(config, ["checkpoint.uri={run_dir}/checkpoints", "train.steps=7"])
+    assert cfg.checkpoint.uri == "{run_dir}/checkpoints" and cfg.train.steps == 7
+    assert with_run_dir(cfg, "/runs/job-1").checkpoint.uri == "/runs/job-1/checkpoints"
+    fixed = load_config(config, ["checkpoint.uri=/ckpt"])
+    assert with_run_dir(fixed, "/runs/job-1") is fixed

@@ -30,6 +30,12 @@ def test_bad_configs(capsys, tmp_path):
     bad.write_text("control: {heartbeat_s: 5, dead_after_s: 6}\n")
     assert "control.dead_after_s=6.0: must be at least twice" in one_line_error(capsys, ["run", str(bad)])
     assert "must be an integer" in one_line_error(capsys, ["run", str(bad), "--set", "cluster.spares=many"])
+    (tmp_path / "ckpt" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-00000004" / "manifest.json").write_text("{}")
+    bad.write_text(f"checkpoint: {{uri: {tmp_path / 'ckpt'}, every: 2}}\n")
+    for verb in ("run", "launch"):
+        error = one_line_error(capsys, [verb, str(bad)])
+        assert "holds committed checkpoints (newest step 4) of an earlier run" in error
 
 
 @pytest.mark.parametrize("argv, message", [
