@@ -21,6 +21,16 @@ from .state import JobState, JobStore
 
 KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow", "crash-loop", "corrupt-checkpoint")
 SLOW_SELFCHECK = {"MEGASCALE_DIAG_SLOW_GEMM": "1:0.2"}  # the node's second device computes at 0.2x
+# kind -> (signal, sent to a "rank" or the node's executor, what was done)
+SIGNALS = {
+    "kill-rank": (signal.SIGKILL, "rank", "killed rank process {pid} on {node}"),
+    # The node's ranks die with their executor (PR_SET_PDEATHSIG), its checkpoint keeper too.
+    "kill-node": (signal.SIGKILL, "executor", "killed executor {pid} of {node}"),
+    # Heartbeats stop while the ranks train on: a node cut off from the control plane.
+    "freeze-node": (signal.SIGSTOP, "executor", "froze executor {pid} of {node} (SIGSTOP): its heartbeats stop, "
+                                                "its ranks run on"),
+    "hang": (signal.SIGSTOP, "rank", "stopped (SIGSTOP) rank process {pid} on {node}"),
+}
 
 
 class ChaosError(Exception):
@@ -62,26 +72,12 @@ def pick_rank(store: JobStore, node: str, rank: Optional[int]) -> psutil.Process
 def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, count: int = 0,
            checkpoint: Optional[CheckpointConfig] = None, timeout_s: float = 300.0) -> str:
     """Does it; returns one line saying what was done."""
-    if kind == "kill-rank":
-        p = pick_rank(store, node, rank)
-        store.record_chaos(kind, node, {"pid": p.pid})
-        p.send_signal(signal.SIGKILL)
-        return f"killed rank process {p.pid} on {node}"
-    if kind == "kill-node":
-        pid = executor_pid(store, node)
+    if kind in SIGNALS:
+        sig, target, done = SIGNALS[kind]
+        pid = pick_rank(store, node, rank).pid if target == "rank" else executor_pid(store, node)
         store.record_chaos(kind, node, {"pid": pid})
-        os.kill(pid, signal.SIGKILL)  # its ranks die with it (PR_SET_PDEATHSIG)
-        return f"killed executor {pid} of {node}"
-    if kind == "freeze-node":
-        pid = executor_pid(store, node)
-        store.record_chaos(kind, node, {"pid": pid})
-        os.kill(pid, signal.SIGSTOP)  # heartbeats stop, its ranks train on: a node cut off from the control plane
-        return f"froze executor {pid} of {node} (SIGSTOP): its heartbeats stop, its ranks run on"
-    if kind == "hang":
-        p = pick_rank(store, node, rank)
-        store.record_chaos(kind, node, {"pid": p.pid})
-        p.send_signal(signal.SIGSTOP)
-        return f"stopped (SIGSTOP) rank process {p.pid} on {node}"
+        os.kill(pid, sig)
+        return done.format(pid=pid, node=node)
     if kind == "slow":
         store.set_injection(node, SLOW_SELFCHECK)
         return f"{node} fails its next self-check's GEMM test (needs MEGASCALE_DIAG_ALLOW_FAULTS=1 on the node)"
