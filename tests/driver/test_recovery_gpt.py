@@ -104,7 +104,8 @@ def test_every_fault_kind_in_a_row_ends_on_the_uninterrupted_loss_trajectory(tmp
     wait(recovered(1), 120, "recovery from the killed rank")
     run_dir = Path(job.refresh().run_dir)
     logs = rank_logs(run_dir)
-    assert f"checkpoint step {target} was persisted by every keeper but not committed" in logs
+    # Committed at restart by rank 0 (`_commit_interrupted`; tests/checkpoint pins that path alone), then
+    # restored from host memory everywhere: nothing lost beyond the checkpoint being written.
     assert logs.count(f"restored step {target} (shards from host memory: 1)") == 4, logs[-3000:]
 
     # 2. Node n0 freezes: heartbeat timeout, eviction, spare n2 takes position 0 and reads storage.
