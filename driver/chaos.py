@@ -84,7 +84,7 @@ def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, co
     if kind == "crash-loop":
         return _crash_loop(store, node, count, timeout_s)
     if kind == "corrupt-checkpoint":
-        return _corrupt(checkpoint or CheckpointConfig(), store)
+        return _corrupt(checkpoint or CheckpointConfig())
     raise ChaosError(f"unknown chaos kind {kind!r} (known: {', '.join(KINDS)})")
 
 
@@ -106,7 +106,7 @@ def _crash_loop(store: JobStore, node: str, count: int, timeout_s: float) -> str
     return f"crash loop on {node}: {killed} rank(s) killed; job {rec.state.value if rec else 'gone'}"
 
 
-def _corrupt(checkpoint: CheckpointConfig, store: JobStore) -> str:
+def _corrupt(checkpoint: CheckpointConfig) -> str:
     """Flips bytes all through every shard of the newest committed checkpoint: a restore must see
     the checksums fail and fall back to the checkpoint before it (host snapshots, which verify
     against the manifest, are not touched)."""
