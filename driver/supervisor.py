@@ -8,7 +8,6 @@ outlives `megascale run`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import signal
@@ -19,9 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import redis
-import yaml
 
-from megascale.config import ConfigError, JobConfig, load_config, with_run_dir
+from megascale.config import ConfigError, JobConfig, load_config, new_run_dir, with_run_dir
 
 from . import log
 from .backend import NodeLaunch, make_backend
@@ -93,10 +91,7 @@ class Supervisor:
                 handle.save()
 
     def _new_run_dir(self) -> Path:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(self.cfg.train.run_dir).resolve() / f"{self.job}-{stamp}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        run_dir = new_run_dir(self.cfg, self.job)
         handler = logging.FileHandler(run_dir / "supervisor.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         log.addHandler(handler)

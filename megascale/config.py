@@ -6,6 +6,7 @@ e.g. `parallelism.tp=3 does not divide model.heads=8`.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -406,6 +407,23 @@ def apply_override(raw: dict, item: str) -> None:
 
 
 RUN_DIR = "{run_dir}"
+
+
+def new_run_dir(cfg: JobConfig, name: str) -> Path:
+    """Claims `<train.run_dir>/<name>-<timestamp>` for one run, with its config.yaml. Two runs started
+    in the same second get distinct directories ("-2", "-3", ...): mkdir is the atomic claim."""
+    stem = Path(cfg.train.run_dir).resolve() / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    run_dir, attempt = stem, 1
+    while True:
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            attempt += 1
+            run_dir = stem.with_name(f"{stem.name}-{attempt}")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return run_dir
 
 
 def with_run_dir(cfg: JobConfig, run_dir: str | Path) -> JobConfig:

@@ -17,9 +17,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from megascale.config import JobConfig, with_run_dir
+from megascale.config import JobConfig, new_run_dir, with_run_dir
 from megascale.parallel.topology import Layout, ParallelContext, build_context
 
 RankFn = Callable[..., Any]
@@ -179,19 +178,11 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     return history
 
 
-def new_run_dir(cfg: JobConfig) -> Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.train.run_dir) / f"{cfg.name}-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return run_dir
-
-
 def launch_local(cfg: JobConfig, progress: bool = True) -> int:
     """Trains `cfg` on this machine, one process per rank; returns a process exit code."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    run_dir = new_run_dir(cfg)
+    run_dir = new_run_dir(cfg, cfg.name)
     cfg = with_run_dir(cfg, run_dir)
     queue = mp.get_context("fork").SimpleQueue() if progress else None
     layout = layout_of(cfg)

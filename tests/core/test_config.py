@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megascale.cli import main
-from megascale.config import ConfigError, from_dict, load_config, with_run_dir
+from megascale.config import ConfigError, from_dict, load_config, new_run_dir, with_run_dir
 
 
 def good(**sections):
@@ -92,3 +92,11 @@ def test_override_values_that_are_not_yaml_are_text_and_run_dir_resolves(tmp_pat
     assert with_run_dir(cfg, "/runs/job-1").checkpoint.uri == "/runs/job-1/checkpoints"
     fixed = load_config(config, ["checkpoint.uri=/ckpt"])
     assert with_run_dir(fixed, "/runs/job-1") is fixed
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
+    """A second-resolution stamp alone let two quick runs share logs and `{run_dir}` checkpoints."""
+    cfg = from_dict({"train": {"run_dir": str(tmp_path)}})
+    dirs = [new_run_dir(cfg, "job") for _ in range(3)]
+    assert len(set(dirs)) == 3 and all((d / "config.yaml").exists() for d in dirs)
+    assert {d.parent for d in dirs} == {tmp_path.resolve()}
