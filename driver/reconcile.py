@@ -485,7 +485,7 @@ class Driver:
         step, now = progress.get("step"), time.time()
         key = (rec.incarnation, step)
         if key != self._last_progress[0]:
-            self._last_progress = (key, now)
+            self._last_progress = (key, min(now, progress.get("seen", now)))
             if step is not None:
                 self._step_times.append(now)
         st = progress.get("step_time")
@@ -552,6 +552,10 @@ class Driver:
                             f"persist_timeout_s={self.cfg.checkpoint.persist_timeout_s:.0f} s", rec, node=node)
             return None
         quiet = time.time() - max(since, rec.entered)
+        if step is not None and (age := self._progress(rec).get("age_s")) is not None:
+            # The node's own word that the step is still the newest, so late heartbeats are not
+            # taken for a hang (a node that stops reporting is dead_after_s's case).
+            quiet = min(quiet, age)
         after = ctl.hang_after_s
         if step is None:
             after = max(after, ctl.start_timeout_s)
@@ -743,7 +747,8 @@ class Driver:
             if hb.incarnation == rec.incarnation and hb.step is not None and hb.step >= best.get("step", -1):
                 if hb.loss is not None or "loss" not in best:
                     best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s,
-                            "step_time": hb.step_time}
+                            "step_time": hb.step_time, "age_s": hb.step_age_s,
+                            "seen": view.wall - (hb.step_age_s or 0.0)}  # when the node saw it, by our clock
         return best
 
     def _status(self, rec: JobRecord) -> JobStatus:

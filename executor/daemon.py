@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import signal
@@ -70,6 +71,8 @@ class Executor:
         self._redis_down_since: Optional[float] = None
         self._stop = False
         self._next_heartbeat = 0.0
+        self.stale_after_s: Optional[float] = None  # the job's control.hang_after_s
+        self._stale_reported: Optional[float] = None
         self.timings = MetricsPublisher(job, node, kafka)
         self._tail = JsonlTail()
 
@@ -85,7 +88,7 @@ class Executor:
         code = 0
         try:
             while not self._stop:
-                wait_s = max(0.0, min(POLL_S, self._next_heartbeat - time.monotonic()))
+                wait_s = max(0.0, min(POLL_S, self._next_heartbeat - time.monotonic(), self._stale_in()))
                 for cmd in self._read_commands(wait_s):
                     self._execute(cmd)
                 changed = self.group.poll() if self.group else False
@@ -181,6 +184,7 @@ class Executor:
         if self.group and self.group.alive():
             self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         config = args["config"]
+        self.stale_after_s = config.get("control", {}).get("hang_after_s")
         env = comm_env(config.get("comm", {}).get("env", {}), dict(os.environ))
         # The node's checkpoint keeper is this node's alone and ends with this executor (see checkpoint/keeper.py).
         env.update(MEGASCALE_NODE=self.node, MEGASCALE_NODE_PID=str(os.getpid()))
@@ -287,19 +291,36 @@ class Executor:
             self._kafka_failed(e)
 
     def _heartbeat_if_due(self) -> None:
-        if time.monotonic() >= self._next_heartbeat:
+        if time.monotonic() >= self._next_heartbeat or self._step_went_stale():
             self._heartbeat()
+
+    def _stale_in(self) -> float:
+        """Seconds until the newest step becomes older than control.hang_after_s (inf: not to be reported)."""
+        at = self.group.newest().get("time") if self.group else None
+        if at is None or not self.stale_after_s or at == self._stale_reported:
+            return math.inf
+        return at + self.stale_after_s - time.time()
+
+    def _step_went_stale(self) -> bool:
+        """True once per step, when it becomes older than control.hang_after_s: the driver hears of a
+        possible hang now, not up to a heartbeat interval later."""
+        if self._stale_in() > 0:
+            return False
+        self._stale_reported = self.group.newest()["time"]  # type: ignore[union-attr]
+        return True
 
     def _heartbeat(self) -> None:
         self._next_heartbeat = time.monotonic() + self.heartbeat_s
         self.seq += 1
         group = self.group
         newest = group.newest() if group else {}
+        now = time.time()
         waiting, waiting_since = (group.waiting() if group else None) or (None, None)
         hb = Heartbeat(job=self.job, node=self.node, host=self.host, ip=self.ip, boot_id=self.boot_id, seq=self.seq,
-                       time=time.time(), interval_s=self.heartbeat_s, phase=self.phase,  # type: ignore[arg-type]
+                       time=now, interval_s=self.heartbeat_s, phase=self.phase,  # type: ignore[arg-type]
                        incarnation=group.incarnation if group else None,
                        ranks=group.statuses() if group else [], step=newest.get("step"),
+                       step_age_s=round(now - newest["time"], 3) if "time" in newest else None,
                        step_time=newest.get("step_time"), loss=newest.get("loss"),
                        tokens_per_s=newest.get("tokens_per_s"), restored_step=group.restored_step() if group else None,
                        waiting=waiting, waiting_since=waiting_since, errors=list(group.errors) if group else [],

@@ -147,6 +147,8 @@ class RankGroup:
                 p.restored_step = record["restored_step"]
             if "waiting" in record:
                 p.waiting = (record["waiting"], record["since"]) if record["waiting"] else None
+                if not record["waiting"] and p.last:  # a wait that ended is progress: the hang clock restarts
+                    p.last = {**p.last, "time": record["time"]}
             if record.get("state") == "done":  # every rank learns the last step, not only the reporter
                 p.done = True
                 if "step" in record:

@@ -91,6 +91,7 @@ class Heartbeat:
     incarnation: Optional[int] = None  # job incarnation (rendezvous generation) of `ranks`
     ranks: list[RankStatus] = field(default_factory=list)
     step: Optional[int] = None  # newest step any local rank reported
+    step_age_s: Optional[float] = None  # how long before `time` that step (or the end of a wait) was seen
     step_time: Optional[float] = None
     loss: Optional[float] = None
     tokens_per_s: Optional[float] = None

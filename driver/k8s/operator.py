@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megascale.config import from_dict
+from megascale.checkpoint.storage import CheckpointError, StorageUnreadable, check_fresh_start
+from megascale.config import JobConfig, from_dict
 
 from .. import log
 from ..services import stop_process
@@ -200,19 +201,22 @@ class Operator:
             state = K8sState(store.r, store.job)
             rec = store.load()
             resuming = rec is not None and state.uid() == uid
+            ran = previous.get("nextNode") or previous.get("phase") not in (None, JobState.PENDING.value)
             # A job that runs already keeps the config it was submitted with, whatever became of its source.
             cfg = from_dict(rec.config) if resuming else job_config(
                 cr, base_config(spec, lambda cm: self.kube.config_map_data(namespace, cm)), self.defaults, self.run_dir)
+            if not resuming and not ran:
+                self._check_fresh_start(store.job, cfg)
             # Before anything starts: a name taken by someone else's Service stops the job here.
             self.kube.apply_owned("ConfigMap", namespace, config_map(cr, cfg))
             self.kube.apply_owned("Service", namespace, service(cr))
-        except SpecError as e:
+        except (SpecError, CheckpointError) as e:
             self._invalid(cr, str(e))
             return None
         paused = previous.get("paused")
         if resuming:
             log.info("job %s: resuming it (%s, incarnation %d)", store.job, rec.state.value, rec.incarnation)
-        elif previous.get("nextNode") or previous.get("phase") not in (None, JobState.PENDING.value):
+        elif ran:
             rec, paused = self._reseed(cr, store, state, cfg.to_dict()), None
         else:
             state.wipe()  # whatever an older job of this name left
@@ -223,6 +227,14 @@ class Operator:
         self._said.pop((namespace, name), None)
         return Runtime(namespace, name, uid, store, state, redis_url, kafka, paused, previous,
                        checkpoint=previous.get("lastCheckpoint"))
+
+    def _check_fresh_start(self, job: str, cfg: JobConfig) -> None:
+        """As `megascale launch` does: a new job does not restart into another run's checkpoints. Storage
+        this pod cannot list (only the executors hold its credentials or volume) is the user's to vouch for."""
+        try:
+            check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
+        except StorageUnreadable as e:
+            log.warning("job %s: not checked for an earlier run's checkpoints: %s", job, e)
 
     def _reseed(self, cr: dict, store: JobStore, state: K8sState, config: dict) -> JobRecord:
         """The job ran (its status says so) but Redis has no record of it: start it again from what the

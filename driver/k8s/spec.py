@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import yaml
 
+from megascale.config import RUN_DIR as RUN_DIR_PLACEHOLDER
 from megascale.config import ConfigError, JobConfig, from_dict
 
 from ..backend import NodeLaunch
@@ -135,6 +136,10 @@ def job_config(cr: dict, base: dict, defaults: ServiceDefaults, run_dir: str = R
                          **{k: checkpoint[k] for k in ("uri", "every", "keep") if k in checkpoint}}
     raw["services"] = dict(zip(("redis", "kafka"), services(spec, defaults)))
     raw["train"] = {**_section(raw, "train", source), "run_dir": run_dir}
+    if RUN_DIR_PLACEHOLDER in str(raw["checkpoint"].get("uri") or ""):
+        field = "spec.checkpoint.uri" if "uri" in checkpoint else f"{source}.checkpoint.uri"
+        raise SpecError(f"{field}: \"{RUN_DIR_PLACEHOLDER}\" is each pod's own emptyDir on Kubernetes, lost with "
+                        f"the pod: use storage every pod shares (s3://, hdfs://, a shared volume)")
     try:
         return from_dict(raw)
     except ConfigError as e:

@@ -11,6 +11,7 @@ _EXPORTS = {
     "Checkpointer": "megascale.checkpoint.checkpointer",
     "CheckpointError": "megascale.checkpoint.storage",
     "CorruptShard": "megascale.checkpoint.storage",
+    "StorageUnreadable": "megascale.checkpoint.storage",
     "check_fresh_start": "megascale.checkpoint.storage",
     "committed_steps": "megascale.checkpoint.storage",
     "open_storage": "megascale.checkpoint.storage",

@@ -407,11 +407,13 @@ class Checkpointer:
 
     def _settled_snapshot(self) -> dict:
         """What this rank's keeper holds, once a persist still running from before a restart ended; {} if nothing."""
+        announced = False
         try:
             link = self._connect()
             waited = time.monotonic()
             if (link.snapshot or {}).get("state") == "persisting":
                 self.on_wait(f"checkpoint step {link.snapshot['step']} to persist")
+                announced = True
             while (link.snapshot or {}).get("state") == "persisting":
                 if time.monotonic() - waited > 30:
                     log.warning("rank %d: waiting for the keeper to finish persisting step %d", self.ctx.rank,
@@ -426,7 +428,8 @@ class Checkpointer:
             log.warning("rank %d: no checkpoint keeper (%s)", self.ctx.rank, e)
             return {}
         finally:
-            self.on_wait(None)
+            if announced:
+                self.on_wait(None)
         return dict(link.snapshot or {})
 
     def _committed(self) -> list[int] | str:

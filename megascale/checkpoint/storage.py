@@ -33,6 +33,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or restored; the message names the problem."""
 
 
+class StorageUnreadable(CheckpointError):
+    """The checkpoint storage could not be listed from here (credentials, network, a volume not mounted)."""
+
+
 class CorruptShard(CheckpointError):
     """A shard whose size or checksum differs from its manifest entry."""
 
@@ -243,7 +247,7 @@ def check_fresh_start(uri: Optional[str], resume: bool, factory: Optional[str] =
     try:
         steps = committed_steps(open_storage(uri, factory))
     except OSError as e:
-        raise CheckpointError(f"checkpoint.uri={uri}: cannot list it: {e}") from None
+        raise StorageUnreadable(f"checkpoint.uri={uri}: cannot list it: {e}") from None
     if steps:
         raise CheckpointError(
             f"checkpoint.uri={uri} already holds committed checkpoints (newest step {steps[-1]}) of an earlier run: "

@@ -4,6 +4,7 @@ The executor runs it instead of the training entry point when MEGASCALE_RANK_ENT
 FAKE_STEP_S: seconds per step. FAKE_FAIL: "RANK:STEP" makes that rank raise at that step in
 incarnation 1 only (a restart then succeeds). FAKE_SLOW_RANK: that rank's steps take 3x as
 long in its timings file (`<run_dir>/timings-rank<R>.jsonl`), a straggler for the detector.
+FAKE_HANG_AT: every rank stops advancing after that step (a hang; the processes stay up).
 """
 import os
 import sys
@@ -19,6 +20,7 @@ steps = spec.config["train"]["steps"]
 step_s = float(os.environ.get("FAKE_STEP_S", "0.2"))
 fail_rank, _, fail_step = os.environ.get("FAKE_FAIL", "-1:-1").partition(":")
 slow = spec.rank == int(os.environ.get("FAKE_SLOW_RANK", "-1"))
+hang_at = int(os.environ.get("FAKE_HANG_AT", "-1"))
 timings = timings_file(spec)
 progress.write({"state": "running"})
 for step in range(1, steps + 1):
@@ -30,4 +32,6 @@ for step in range(1, steps + 1):
     if spec.rank == spec.world_size - 1:  # one reporting rank, like train_rank
         progress.write({"step": step, "loss": 10.0 / step, "step_time": step_s, "tokens_per_s": 1000.0,
                         "grad_norm": 1.0, "lr": 0.01})
+    while step == hang_at:
+        time.sleep(1)
 progress.write({"state": "done", "step": steps})

@@ -125,3 +125,34 @@ def test_executor_runs_commands_and_heartbeats(redis_server, broker, tmp_path, w
         assert {r["rank"] for r in timings} >= {1} and all(r["incarnation"] >= 1 for r in timings)
     finally:
         metrics.close()
+
+
+def test_a_step_older_than_hang_after_s_is_heartbeated_at_once(redis_server, broker, tmp_path, wait, monkeypatch):
+    """The driver's hang clock reads the node's own age of its newest step; the heartbeat that says
+    it passed control.hang_after_s goes out then, not a (here 30 s) heartbeat interval later."""
+    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    monkeypatch.setenv("FAKE_HANG_AT", "3")
+    r = redis.Redis.from_url(redis_server.url)
+    proc = subprocess.Popen([sys.executable, "-m", "megascale.executor", "--job", "j", "--node", "n0",
+                             "--redis", redis_server.url, "--kafka", broker.bootstrap, "--work-dir", str(tmp_path / "n0"),
+                             "--heartbeat-s", "30"], stderr=open(tmp_path / "executor.log", "wb"))
+    reader = TopicReader(broker.bootstrap, topic("j", "heartbeats"))
+    beats: list[Heartbeat] = []
+
+    def stale_beat():
+        beats.extend(decode(rec.value, expect=Heartbeat) for rec in reader.poll(100))
+        return next((b for b in beats if b.step == 3 and (b.step_age_s or 0) >= 1.0), None)
+
+    try:
+        cfg = from_dict({"parallelism": {"dp": 2}, "batch": {"micro": 1, "global": 2}, "train": {"steps": 100},
+                         "control": {"hang_after_s": 1.0}})
+        start = dict(incarnation=1, ranks=[0, 1], world_size=2, config=cfg.to_dict(), run_dir=str(tmp_path),
+                     init_method="redis://unused/j", resume=False)
+        r.xadd(command_stream("j", "n0"), {"msg": encode(Command(job="j", node="n0", seq=1, op="start", args=start))})
+        beat = wait(stale_beat, 20, "a heartbeat saying step 3 is older than hang_after_s")
+        assert beat.step_age_s < 1.6, beat  # sent within a poll of crossing, by the node's clock
+        assert beat.incarnation == 1 and all(x.state == "running" for x in beat.ranks)
+    finally:
+        proc.kill()
+        proc.wait()
+        reader.close()

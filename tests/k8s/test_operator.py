@@ -57,7 +57,8 @@ class Running:
 
 def trainingjob(checkpoint: Path) -> list[dict]:
     config = {"name": "ignored", "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
-              "batch": {"micro": 1, "global": 4}, "cluster": {"nodes": 9}, "train": {"steps": 100000}}
+              "batch": {"micro": 1, "global": 4}, "cluster": {"nodes": 9}, "train": {"steps": 100000},
+              "checkpoint": {"resume": True}}  # it continues the run whose checkpoint the test plants
     return [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gpt-config", "namespace": NS},
              "data": {"job.yaml": yaml.safe_dump(config)}},
             {"apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
@@ -194,6 +195,11 @@ def test_finished_jobs_stay_finished_and_unrunnable_ones_say_why(apiserver, serv
     create("short", config={"inline": inline})
     create("missing", config={"configMapRef": {"name": "nowhere"}})
     create("clash", config={"inline": inline})
+    earlier = tmp_path / "earlier-run"  # holds a committed checkpoint (its manifest is what commits it)
+    (earlier / "step-00000004").mkdir(parents=True)
+    (earlier / "step-00000004" / "manifest.json").write_text("{}")
+    create("again", config={"inline": inline}, checkpoint={"uri": str(earlier)})
+    create("perpod", config={"inline": inline}, checkpoint={"uri": "{run_dir}/checkpoints"})
     cluster = FakeCluster(api, ["m0", "m1"], tmp_path / "machines").start()
     operator = Running(operator_config, redis_url, kafka, tmp_path)
     try:
@@ -205,6 +211,9 @@ def test_finished_jobs_stay_finished_and_unrunnable_ones_say_why(apiserver, serv
         assert "spec.config.configMapRef.name='nowhere': no such ConfigMap" in valid("missing")["message"]
         assert "a Service megascale/clash exists that the megascale operator did not make" in valid("clash")["message"]
         assert api.get("services", "clash", NS)["spec"]["selector"] == {"app": "theirs"}  # left alone
+        assert "already holds committed checkpoints (newest step 4) of an earlier run: set checkpoint.resume: " \
+               "true" in valid("again")["message"] and status("again")["phase"] == "Pending"
+        assert valid("perpod")["message"].startswith('spec.checkpoint.uri: "{run_dir}" is each pod\'s own emptyDir')
 
         finished = status("short")
         operator.stop()  # a new operator leaves the finished job alone: no driver, no pods
