@@ -25,6 +25,7 @@ from .state import JobStore
 
 JOB = "bench-recovery"
 HEARTBEAT_S = 0.5
+HANG_AFTER_S = 2 * HEARTBEAT_S
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> dict:
                   "cluster": {"nodes": 4, "spares": 2},
                   # Silence and hang thresholds of 2 heartbeat intervals: the detection goal.
                   "control": {"heartbeat_s": HEARTBEAT_S, "dead_after_s": 2 * HEARTBEAT_S,
-                              "hang_after_s": 2 * HEARTBEAT_S,
+                              "hang_after_s": HANG_AFTER_S,
                               "selfcheck": False, "max_restarts": 10, "start_timeout_s": 90, "command_timeout_s": 20},
                   "checkpoint": {"uri": str(root / "ckpt"), "every": 10},
                   "train": {"steps": 100000, "run_dir": str(root / "runs")}}
@@ -84,6 +85,9 @@ def run(args: argparse.Namespace) -> dict:
         "detection_intervals_max": round(max(f["detection_s"] for f in faults) / HEARTBEAT_S, 2),
         "detection_intervals_by_kind": {kind: round(max(f["detection_s"] for f in faults if f["kind"] == kind)
                                                     / HEARTBEAT_S, 2) for kind in sorted({f["kind"] for f in faults})},
+        # A hang is by definition hang_after_s without progress: what detection adds beyond that.
+        "hang_detection_past_threshold_s": max((round(f["detection_s"] - HANG_AFTER_S, 2) for f in faults
+                                                if f["kind"] == "hang"), default=None),
         "resume_s_max": round(max(f["diagnosis_s"] + f["restart_s"] for f in faults), 2),
         "lost_s_per_fault_max": round(max(f["total_s"] for f in faults), 2),
         "steps_lost_max": max(f["steps_lost"] for f in faults),

@@ -19,3 +19,5 @@ def test_quick_recovery_bench_reports_every_fault_and_the_tracked_keys(monkeypat
         assert 0 <= fault["detection_s"] < 10 and fault["total_s"] > 0 and fault["steps_lost"] >= 0, fault
     assert result["resume_s_max"] < 30 and 0 < result["ettr"] < 1
     assert result["detection_intervals_by_kind"]["node_dead"] <= 2  # the executor's exit, seen by the backend
+    # The heartbeat saying the step went stale leaves at hang_after_s, not at the next interval.
+    assert result["hang_detection_past_threshold_s"] < 1.5 * bench_recovery.HEARTBEAT_S
