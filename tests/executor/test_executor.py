@@ -135,7 +135,8 @@ def test_a_step_older_than_hang_after_s_is_heartbeated_at_once(redis_server, bro
     r = redis.Redis.from_url(redis_server.url)
     proc = subprocess.Popen([sys.executable, "-m", "megascale.executor", "--job", "j", "--node", "n0",
                              "--redis", redis_server.url, "--kafka", broker.bootstrap,
-                             "--work-dir", str(tmp_path / "n0"), "--heartbeat-s", "30"], stderr=open(tmp_path / "executor.log", "wb"))
+                             "--work-dir", str(tmp_path / "n0"), "--heartbeat-s", "30"],
+                            stderr=open(tmp_path / "executor.log", "wb"))
     reader = TopicReader(broker.bootstrap, topic("j", "heartbeats"))
     beats: list[Heartbeat] = []
 
