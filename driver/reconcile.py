@@ -488,6 +488,8 @@ class Driver:
             self._last_progress = (key, min(now, progress.get("seen", now)))
             if step is not None:
                 self._step_times.append(now)
+        elif self._waits(rec):  # ranks blocked on a checkpoint persisting: the clock restarts when it ends
+            self._last_progress = (key, now)
         st = progress.get("step_time")
         if st and st > 0:
             rec.ideal_step_s = min(st, rec.ideal_step_s or st)  # the fastest step seen is the ideal one
@@ -536,16 +538,13 @@ class Driver:
         if not ctl.hang_after_s:
             return None
         (_, step), since = self._last_progress
-        waits = [(v.hb.waiting_since, v.hb.waiting, s.node) for s in rec.slots("active")
-                 if (v := self.ingest.nodes.get(s.node)) and v.hb.incarnation == rec.incarnation and v.hb.waiting]
-        if waits:
+        if waits := self._waits(rec):
             since_wall, what, node = min(waits)
             waited = time.time() - since_wall
             if waited > self.cfg.checkpoint.persist_timeout_s:
                 return Fault("hang", node, f"no training progress: ranks on {node} have waited {waited:.0f} s for "
                              f"{what} (storage stuck or too slow; checkpoint.persist_timeout_s)",
                              {"step": step, "waiting": what})
-            self._last_progress = (self._last_progress[0], time.time())  # the clock restarts when the wait ends
             if self._announced_wait != (rec.incarnation, what):
                 self._announced_wait = (rec.incarnation, what)
                 self._event("info", f"training waits for {what} on {node}: not a hang until checkpoint."
@@ -568,6 +567,11 @@ class Driver:
                          f"of starting while every node heartbeats (control.start_timeout_s)", {"step": None})
         return Fault("hang", None, f"no training progress for {quiet:.0f} s after step {step} "
                      f"while every node heartbeats", {"step": step})
+
+    def _waits(self, rec: JobRecord) -> list[tuple[float, str, str]]:
+        """(since, what, node) for every active node whose ranks this incarnation wait outside a step."""
+        return [(v.hb.waiting_since or time.time(), v.hb.waiting, s.node) for s in rec.slots("active")
+                if (v := self.ingest.nodes.get(s.node)) and v.hb.incarnation == rec.incarnation and v.hb.waiting]
 
     def _occurred(self, rec: JobRecord, fault: Fault, now: float) -> float:
         """Best estimate of when the fault happened: an injected one's own record, else the evidence."""
