@@ -148,18 +148,18 @@ def _current(handle: JobHandle) -> dict:
 # -- run / launch ----------------------------------------------------------------------------------
 
 def _config(args: argparse.Namespace):
-    """The job's config, with its checkpoint.uri checked before anything starts."""
-    from megascale.checkpoint import CheckpointError, check_fresh_start
+    """The job's config, checked (megascale.preflight) before anything starts."""
+    from megascale.config import ConfigError
+    from megascale.preflight import preflight
 
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.run_dir:
         overrides.append(f"train.run_dir={args.run_dir}")
-    cfg = load_config(args.config, overrides)
     try:
-        check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
-    except CheckpointError as e:
+        cfg = preflight(load_config(args.config, overrides))
+    except ConfigError as e:
         raise CommandError(str(e)) from None
     return cfg, overrides
 

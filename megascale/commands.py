@@ -45,9 +45,9 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, name: str, help_te
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megascale.checkpoint import CheckpointError, check_fresh_start
-    from megascale.config import ConfigError, load_config
+    from megascale.config import load_config
     from megascale.launch import launch_local
+    from megascale.preflight import preflight
 
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -56,12 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"train.run_dir={args.run_dir}")
     if args.resume:
         overrides.append("checkpoint.resume=true")
-    cfg = load_config(args.config, overrides)
-    try:
-        check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    return launch_local(cfg, progress=not args.quiet)
+    return launch_local(preflight(load_config(args.config, overrides)), progress=not args.quiet)
 
 
 def _bench(args: argparse.Namespace) -> int:

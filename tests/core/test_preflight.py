@@ -1,0 +1,51 @@
+"""`megascale run / launch / train` refuse a job that cannot run before starting anything."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from megascale.cli import main
+from megascale.config import ConfigError, from_dict
+from megascale.preflight import preflight
+
+JOB = {"name": "pre", "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 256, "seq": 16},
+       "batch": {"micro": 1, "global": 2}, "data": {"source": "text", "path": "corpus/docs.jsonl"},
+       "train": {"steps": 2}}
+
+
+def test_missing_data_fails_in_one_line_before_any_service_starts(tmp_path, capsys, monkeypatch):
+    """Before: every incarnation's ranks died on it, control.max_restarts times over (90 s for the main example)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEGASCALE_HOME", str(tmp_path / "home"))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(JOB))
+    for command in ("train", "run", "launch"):
+        began = time.monotonic()
+        assert main([command, "job.yaml", "--quiet"] if command != "launch" else [command, "job.yaml"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"data.path=corpus/docs.jsonl: not found (relative paths are from the current directory, {tmp_path})" \
+            in err, (command, err)
+        assert "\n" not in err and "Traceback" not in err and time.monotonic() - began < 5
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "jobs").exists()
+
+
+def test_a_relative_data_path_is_made_absolute_for_ranks_that_run_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "docs.jsonl").write_text('{"text": "hello"}\n')
+    cfg = preflight(from_dict(JOB))
+    assert cfg.data.path == str(tmp_path.resolve() / "corpus" / "docs.jsonl")
+    synthetic = from_dict({**JOB, "data": {"source": "synthetic"}})
+    assert preflight(synthetic) == synthetic
+
+
+def test_a_fresh_start_on_another_runs_checkpoints_is_a_config_error(tmp_path):
+    (tmp_path / "ckpt" / "step-00000003").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-00000003" / "manifest.json").write_text("{}")
+    cfg = from_dict({**JOB, "data": {"source": "synthetic"}, "checkpoint": {"uri": str(tmp_path / "ckpt")}})
+    with pytest.raises(ConfigError, match=r"already holds committed checkpoints \(newest step 3\)"):
+        preflight(cfg)
+    resumed = from_dict({**JOB, "data": {"source": "synthetic"},
+                         "checkpoint": {"uri": str(tmp_path / "ckpt"), "resume": True}})
+    assert preflight(resumed) == resumed
