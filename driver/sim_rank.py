@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import IO
 
 from megascale.driver.metrics.schema import SEGMENTS
-from megascale.executor.rank import Progress, RankSpec, die_with_parent
+from megascale.executor.rank import Progress, RankSpec
+from megascale.lifetime import die_with_parent
 
 from megascale.parallel.flight_recorder import FlightRecorder, read_records
 

@@ -6,16 +6,16 @@ stderr, which the executor scans.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
+
+from megascale.lifetime import die_with_parent
 
 
 @dataclass
@@ -57,18 +57,9 @@ class Progress:
         self._f.close()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """A rank must not outlive its executor: when the node dies, its ranks die with it."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the executor died before prctl took effect
-        sys.exit(1)
-
-
 def main(argv: list[str]) -> int:
     spec = RankSpec.load(argv[0])
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid)  # when the node dies, its ranks die with it
     progress = Progress(spec.progress_path)
 
     import torch

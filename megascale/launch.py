@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import JobConfig, new_run_dir, with_run_dir
+from megascale.lifetime import die_with_parent
 from megascale.parallel.topology import Layout, ParallelContext, build_context
 
 RankFn = Callable[..., Any]
@@ -38,7 +39,11 @@ def resolve_backend(choice: str) -> str:
 
 
 def _rank_main(rank: int, layout: Layout, sequence_parallel: bool, backend: str, store_path: str,
-               result_dir: str, timeout_s: float, fn: RankFn, args: tuple) -> None:
+               result_dir: str, timeout_s: float, parent_pid: int, fn: RankFn, args: tuple) -> None:
+    # A launcher killed outright (SIGTERM, SIGKILL) takes its ranks with it, and their checkpoint
+    # keeper, which serves this machine's ranks while that process lives (see checkpoint/keeper.py).
+    die_with_parent(parent_pid)
+    os.environ.setdefault("MEGASCALE_NODE_PID", str(parent_pid))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     result_path = Path(result_dir) / f"rank{rank}.pt"
     try:
@@ -75,7 +80,8 @@ def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = 
     with tempfile.TemporaryDirectory(prefix="megascale-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [context.Process(target=_rank_main, daemon=False,
-                                 args=(r, layout, sequence_parallel, backend, store_path, tmp, timeout_s, fn, args))
+                                 args=(r, layout, sequence_parallel, backend, store_path, tmp, timeout_s,
+                                       os.getpid(), fn, args))
                  for r in range(layout.world_size)]
         for p in procs:
             p.start()

@@ -7,13 +7,14 @@ that dies takes no other job with it, and its successor resumes from the job's r
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
+import os
 import signal
 import sys
 from typing import Optional
 
 from megascale.config import ConfigError, from_dict
+from megascale.lifetime import die_with_parent
 
 from .. import log
 from ..backend import NodeLaunch
@@ -23,17 +24,6 @@ from .backend import KubernetesBackend
 from .kube import Kube, connect
 from .spec import job_id
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """SIGTERM (an orderly stop) when the operator goes, however it goes (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megascale.driver.k8s.jobdriver", description=__doc__.splitlines()[0])
     p.add_argument("--namespace", required=True)
@@ -42,7 +32,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kafka", required=True)
     p.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
     args = p.parse_args(argv)
-    _die_with_parent()
+    die_with_parent(os.getppid(), signal.SIGTERM)  # an orderly stop when the operator goes, however it goes
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {args.namespace}/{args.name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)

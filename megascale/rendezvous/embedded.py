@@ -63,7 +63,8 @@ class EmbeddedRedis:
             "--timeout", "0", "--loglevel", "warning",
         ]
         os.makedirs(self._dir, exist_ok=True)
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its own session: a terminal's Ctrl-C must not take the job's state away before an orderly stop.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self._wait_ready()
         return self
 

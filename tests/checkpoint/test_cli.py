@@ -1,8 +1,15 @@
 """`megascale train` checkpoints every N steps and `--resume` continues exactly."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import yaml
 
 from megascale.checkpoint import committed_steps, open_storage, shutdown_keeper
@@ -54,3 +61,32 @@ def test_a_fresh_job_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, ca
     assert main(["train", str(config), "--quiet", "--set", f"checkpoint.uri={per_run['uri']}"]) == 0
     assert main(["train", str(config), "--quiet", "--set", f"checkpoint.uri={per_run['uri']}"]) == 0
     assert len(list((tmp_path / "runs").glob("*/checkpoints/step-00000002/manifest.json"))) == 2
+
+
+def test_killing_train_takes_its_ranks_and_keeper_with_it(tmp_path):
+    """SIGKILL (or a scheduler's SIGTERM) of `megascale train` runs no cleanup: before, its ranks went on
+    training as orphans and the keeper held their snapshots until keeper_idle_s."""
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+        "parallelism": {"dp": 2}, "batch": {"micro": 1, "global": 2},
+        "checkpoint": {"uri": str(tmp_path / "ckpt"), "every": 2}, "train": {"steps": 100000}}))
+    train = subprocess.Popen([sys.executable, "-m", "megascale.cli", "train", str(config), "--quiet",
+                              "--run-dir", str(tmp_path / "runs")], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not committed_steps(open_storage(str(tmp_path / "ckpt"))):
+            assert train.poll() is None and time.monotonic() < deadline, "no checkpoint committed"
+            time.sleep(0.2)
+        family = psutil.Process(train.pid).children(recursive=True)
+        assert len(family) >= 3, family  # two ranks and the keeper one of them started
+        os.kill(train.pid, signal.SIGKILL)
+        train.wait(timeout=10)
+        _, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    finally:
+        if train.poll() is None:
+            train.kill()
+        for proc in locals().get("family", []):  # psutil checks it is still the same process
+            with contextlib.suppress(psutil.Error):
+                proc.kill()

@@ -119,6 +119,29 @@ def test_launch_status_pause_resume_survive_driver_kill_stop(tmp_path, capsys, w
     job.assert_services_gone()
 
 
+def test_ctrl_c_on_run_stops_the_job_in_order_and_leaves_nothing_behind(tmp_path, wait):
+    """A terminal's Ctrl-C reaches `megascale run`'s whole process group: the job ends Stopped (not
+    Failed, no rank crash reported), exit code 130, every node, rank, driver and service gone."""
+    config = job_yaml(tmp_path, "cp-ctrl-c", steps=100000)
+    run = subprocess.Popen([sys.executable, "-m", "megascale.cli", "run", config, "--quiet"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        job = wait(lambda: JobHandle.load("cp-ctrl-c") and Job("cp-ctrl-c"), 60, "the job to be submitted")
+        wait(lambda: job.state() == JobState.RUNNING and (job.status().get("step") or 0) >= 3, 60, "training")
+        nodes = [job.node_pid(n) for n in ("n0", "n1", "n2")]
+        os.killpg(run.pid, signal.SIGINT)
+        out, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, out[-2000:]
+    final = job.refresh().final
+    assert final["state"] == "Stopped" and final["reason"] == "stopped by user", final
+    assert "Traceback" not in out and "Stopped" in out, out[-2000:]
+    wait(lambda: not any(pid_alive(p) for p in nodes), 15, "the nodes to exit")
+    job.assert_services_gone()
+
+
 def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
     job = launch(capsys, job_yaml(tmp_path, "cp-bus", steps=50), "cp-bus")
     wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
