@@ -6,7 +6,9 @@ import logging
 import sys
 
 from .reconcile import Driver
+from .services import pid_alive
 from .state import JobStore
+from .supervisor import finish_for_supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,10 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", required=True)
     p.add_argument("--redis", required=True, help="redis://host:port holding the job's state")
     p.add_argument("--kafka", required=True, help="Kafka bootstrap servers")
+    p.add_argument("--supervisor-pid", type=int, help="the `megascale run` that started this driver: should it be "
+                   "killed, the job goes on, and this driver does its last duties when the job ends")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # reconnect noise during broker restarts
-    return Driver(JobStore.from_url(args.redis, args.job), args.redis, args.kafka).run()
+    code = Driver(JobStore.from_url(args.redis, args.job), args.redis, args.kafka).run()
+    if args.supervisor_pid and not pid_alive(args.supervisor_pid):
+        finish_for_supervisor(args.job)
+    return code
 
 
 if __name__ == "__main__":

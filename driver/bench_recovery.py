@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict:
             final = status()
         finally:
             store.set_desired("stopped")
-            _wait(lambda: not handle.supervised() or JobHandle.load(JOB).final, 60, "the job to stop")
+            _wait(lambda: not handle.live() or JobHandle.load(JOB).final, 60, "the job to stop")
     faults = final.get("recoveries", [])
     gaps = [b - a for a, b in zip(injected, injected[1:])]
     return {

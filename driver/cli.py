@@ -120,8 +120,8 @@ def _live_job(job: str) -> tuple[JobStore, JobRecord]:
 
 
 def _live_store(handle: JobHandle) -> JobStore:
-    """The job's Redis, for a job that is still supervised; else a one-line reason."""
-    if not handle.supervised():
+    """The job's Redis, for a job that still runs; else a one-line reason."""
+    if not handle.live():
         state = (handle.final or {}).get("state", "ended")
         raise CommandError(f"job {handle.job!r} is not running (last state: {state})")
     store = JobStore.from_url(handle.redis_url, handle.job, timeout_s=3)
@@ -134,7 +134,7 @@ def _live_store(handle: JobHandle) -> JobStore:
 
 def _current(handle: JobHandle) -> dict:
     """Newest status: live from Redis when the job runs, else what its supervisor left at exit."""
-    if handle.supervised():
+    if handle.live():
         try:
             store = _live_store(handle)
             rec = store.load()
@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     cfg, overrides = _config(args)  # bad config fails here, in the user's shell
     existing = JobHandle.load(cfg.name)
-    if existing and existing.supervised():
+    if existing and existing.live():
         raise CommandError(f"job {cfg.name!r} is already running (pid {existing.supervisor_pid}): "
                            f"`megascale stop {cfg.name}` first")
     log_path = home() / "jobs" / f"{cfg.name}.log"
@@ -227,7 +227,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=1))
     else:
-        print_renderable(job_table(handle.job, status, handle.supervised()))
+        print_renderable(job_table(handle.job, status, handle.live()))
     return 0
 
 
@@ -263,7 +263,7 @@ def _stop(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + STOP_WAIT_S
     while time.monotonic() < deadline:
         handle = JobHandle.load(args.job)
-        if handle is None or not pid_alive(handle.supervisor_pid):
+        if handle is None or not handle.live():
             final = (handle.final or {}) if handle else {}
             print(f"job {args.job} {final.get('state', 'ended').lower()}: {final.get('reason', '')}".rstrip(": "))
             return 0

@@ -43,14 +43,14 @@ def headline(job: str, status: dict) -> Text:
     return text
 
 
-def job_table(job: str, status: dict, supervised: bool = True) -> Group:
+def job_table(job: str, status: dict, live: bool = True) -> Group:
     table = Table(box=None, pad_edge=False)
     for column in ("node", "role", "host", "heartbeat", "phase", "ranks", "step", "recent errors"):
         table.add_column(column)
     now = time.time()
     for n in status.get("nodes", []):
         seen = n.get("last_heartbeat")
-        age = f"{now - seen:.1f} s ago" if seen and supervised else ("-" if not seen else "at exit")
+        age = f"{now - seen:.1f} s ago" if seen and live else ("-" if not seen else "at exit")
         ranks = " ".join(f"{count} {state}" for state, count in n.get("ranks", {}).items()) or "-"
         role = n["role"] + (" (dead)" if n.get("dead") else "")
         style = "dim" if n["role"] == "evicted" else ("red" if n.get("dead") else "")
@@ -60,7 +60,7 @@ def job_table(job: str, status: dict, supervised: bool = True) -> Group:
     parts = [headline(job, status)]
     if status.get("nodes"):
         parts.append(table)
-    if not supervised:
+    if not live:
         parts.append(Text("(not running: last status its `megascale run` saw)", style="dim"))
     return Group(*parts)
 

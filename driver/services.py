@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 from . import log
 
 READY_TIMEOUT_S = 10.0
@@ -168,9 +170,10 @@ class JobHandle:
     def known() -> list[str]:
         return sorted(p.stem for p in (home() / "jobs").glob("*.json"))
 
-    def supervised(self) -> bool:
-        """Whether the `megascale run` that owns this job is still running."""
-        return self.final is None and pid_alive(self.supervisor_pid)
+    def live(self) -> bool:
+        """Whether the job still runs: under its `megascale run`, or, that one killed, under its driver,
+        which then finishes the job's end itself (`supervisor.finish_for_supervisor`)."""
+        return self.final is None and (pid_alive(self.supervisor_pid) or pid_alive(self.driver_pid))
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
@@ -183,6 +186,22 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def stop_service(pid: Optional[int], port: str, grace_s: float = 5.0) -> None:
+    """Stops an embedded Redis or broker this process did not start, by its recorded pid, once its
+    command line shows it is still the one serving `port` (a pid may have been reused since)."""
+    if not pid:
+        return
+    try:
+        proc = psutil.Process(pid)
+        if not any(port in arg for arg in proc.cmdline()):
+            return
+        proc.terminate()
+        if psutil.wait_procs([proc], timeout=grace_s)[1]:
+            proc.kill()
+    except psutil.Error:  # already gone
+        return
 
 
 def pid_alive(pid: Optional[int]) -> bool:

@@ -24,7 +24,7 @@ from megascale.preflight import preflight
 
 from . import log
 from .backend import NodeLaunch, make_backend
-from .services import JobHandle, Services, start_services, stop_process
+from .services import JobHandle, Services, start_services, stop_process, stop_service
 from .state import JobRecord, JobState, JobStore, status_view
 
 POLL_S = 0.5
@@ -48,7 +48,7 @@ class Supervisor:
 
     def run(self, on_status: Optional[Callable[[dict], None]] = None) -> int:
         existing = JobHandle.load(self.job)
-        if existing and existing.supervised():
+        if existing and existing.live():
             raise SupervisorError(f"job {self.job!r} is already running (pid {existing.supervisor_pid}): "
                                   f"`megascale stop {self.job}` first, or rename it")
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a closed terminal stops the job in order too
@@ -139,7 +139,8 @@ class Supervisor:
         with open(Path(run_dir) / "driver.log", "ab") as out:
             # Own session: a Ctrl-C here must become an orderly stop, not a signal to the driver.
             self.driver = subprocess.Popen([sys.executable, "-m", "megascale.driver", "--job", self.job,
-                                            "--redis", services.redis_url, "--kafka", services.kafka],
+                                            "--redis", services.redis_url, "--kafka", services.kafka,
+                                            "--supervisor-pid", str(os.getpid())],
                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
         handle.driver_pid = self.driver.pid
@@ -165,6 +166,22 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signals += 1
+
+
+def finish_for_supervisor(job: str) -> None:
+    """What a killed supervisor (SIGKILL, the OOM killer) can no longer do once its job ended: stop
+    the embedded Redis and broker it started and write the final status. Its driver calls this."""
+    handle = JobHandle.load(job)
+    if handle is None or handle.final is not None:
+        return
+    store = JobStore.from_url(handle.redis_url, job, timeout_s=3)
+    final = _final_status(store)
+    for pid, address in ((handle.kafka_pid, handle.kafka), (handle.redis_pid, handle.redis_url)):
+        stop_service(pid, address.rsplit(":", 1)[-1])
+    handle.final, handle.driver_pid = final, None
+    handle.save()
+    log.warning("the supervisor (pid %d) was gone: its driver stopped the job's services and wrote its final "
+                "status (%s)", handle.supervisor_pid, final.get("state"))
 
 
 def _final_status(store: Optional[JobStore]) -> dict:

@@ -142,6 +142,22 @@ def test_ctrl_c_on_run_stops_the_job_in_order_and_leaves_nothing_behind(tmp_path
     job.assert_services_gone()
 
 
+def test_a_killed_supervisor_leaves_a_job_that_still_answers_and_ends_cleanly(tmp_path, capsys, wait):
+    """SIGKILL (the OOM killer) of a launched job's supervisor: training goes on under its driver,
+    `status` / `stop` still reach it, and its end stops the embedded services the supervisor started."""
+    job = launch(capsys, job_yaml(tmp_path, "cp-orphan", steps=100000), "cp-orphan")
+    wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
+    os.kill(job.handle.supervisor_pid, signal.SIGKILL)
+    wait(lambda: not pid_alive(job.handle.supervisor_pid), 10, "the supervisor to die")
+    step = job.status()["step"]
+    wait(lambda: (job.status().get("step") or 0) >= step + 3, 30, "training to go on without its supervisor")
+    detail = cli(capsys, "status", "cp-orphan")
+    assert "Running" in detail and "not running" not in detail
+    assert "job cp-orphan stopped: stopped by user" in cli(capsys, "stop", "cp-orphan")
+    assert job.refresh().final["state"] == "Stopped" and job.handle.driver_pid is None
+    job.assert_services_gone()
+
+
 def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
     job = launch(capsys, job_yaml(tmp_path, "cp-bus", steps=50), "cp-bus")
     wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
