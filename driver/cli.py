@@ -255,6 +255,14 @@ def _request(desired: str) -> Callable[[argparse.Namespace], int]:
 
 def _stop(args: argparse.Namespace) -> int:
     handle = _handle(args.job)
+    if handle.final is None and not handle.live():  # supervisor and driver killed: clean up after them
+        from .supervisor import finish_for_supervisor
+
+        finish_for_supervisor(args.job)
+        final = (JobHandle.load(args.job).final or {})  # type: ignore[union-attr]
+        print(f"job {args.job} had lost its supervisor and driver: stopped what they left "
+              f"(last state: {final.get('state', 'Unknown')})")
+        return 0
     store = _live_store(handle)
     store.set_desired("stopped")
     if args.no_wait:

@@ -19,13 +19,13 @@ from typing import Callable, Optional
 
 import redis
 
-from megascale.config import ConfigError, JobConfig, load_config, new_run_dir, with_run_dir
+from megascale.config import ConfigError, JobConfig, from_dict, load_config, new_run_dir, with_run_dir
 from megascale.preflight import preflight
 
 from . import log
 from .backend import NodeLaunch, make_backend
 from .services import JobHandle, Services, start_services, stop_process, stop_service
-from .state import JobRecord, JobState, JobStore, status_view
+from .state import TERMINAL, JobRecord, JobState, JobStore, status_view
 
 POLL_S = 0.5
 DRIVER_RESTARTS = 5  # within RESTART_WINDOW_S, then the supervisor gives up
@@ -79,7 +79,7 @@ class Supervisor:
         finally:
             self._stop_driver()
             if store is not None:
-                self._stop_leftover_nodes(store, services, run_dir)
+                stop_leftover_nodes(self.cfg, store, services.redis_url, services.kafka, run_dir)
             if self.cfg.checkpoint.uri and self.cfg.cluster.backend == "local":
                 # The job is over: no restart will restore from the node's host-memory snapshots.
                 from megascale.checkpoint import shutdown_keeper
@@ -151,31 +151,42 @@ class Supervisor:
         if self.driver is not None:
             stop_process(self.driver, grace_s=10)
 
-    def _stop_leftover_nodes(self, store: JobStore, services: Services, run_dir: Path) -> None:
-        """Whatever happened to the driver, no node outlives the supervisor."""
-        try:
-            launch = NodeLaunch(self.job, services.redis_url, services.kafka, str(run_dir),
-                                self.cfg.control.heartbeat_s)
-            backend = make_backend(self.cfg.cluster.backend, launch, store.r)
-            alive = [n for n, info in backend.list().items() if info.alive]
-            if alive:
-                log.warning("stopping nodes the driver left running: %s", ", ".join(alive))
-                backend.stop(alive)
-        except redis.RedisError as e:
-            log.warning("could not check for leftover nodes: %s", _line(e))
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signals += 1
 
 
+def stop_leftover_nodes(cfg: JobConfig, store: JobStore, redis_url: str, kafka: str, run_dir: str | Path) -> None:
+    """Whatever happened to the driver, no node outlives the job."""
+    try:
+        launch = NodeLaunch(cfg.name, redis_url, kafka, str(run_dir), cfg.control.heartbeat_s)
+        backend = make_backend(cfg.cluster.backend, launch, store.r)
+        alive = [n for n, info in backend.list().items() if info.alive]
+        if alive:
+            log.warning("stopping nodes the driver left running: %s", ", ".join(alive))
+            backend.stop(alive)
+    except redis.RedisError as e:
+        log.warning("could not check for leftover nodes: %s", _line(e))
+
+
 def finish_for_supervisor(job: str) -> None:
-    """What a killed supervisor (SIGKILL, the OOM killer) can no longer do once its job ended: stop
-    the embedded Redis and broker it started and write the final status. Its driver calls this."""
+    """What a killed supervisor (SIGKILL, the OOM killer) can no longer do: stop the job's nodes that
+    are left, the embedded Redis and broker it started, and write the final status. Its driver calls
+    this when the job ends; `megascale stop` when the driver is gone too."""
     handle = JobHandle.load(job)
     if handle is None or handle.final is not None:
         return
     store = JobStore.from_url(handle.redis_url, job, timeout_s=3)
     final = _final_status(store)
+    try:
+        rec = store.load()
+        if rec is not None:
+            stop_leftover_nodes(from_dict(rec.config), store, handle.redis_url, handle.kafka, handle.run_dir)
+    except redis.RedisError as e:  # Redis gone too: its executors stop their ranks on their own
+        log.warning("could not read the job's record: %s", _line(e))
+    if final.get("state") not in {s.value for s in TERMINAL}:  # it did not end: it is being ended here
+        final = {**final, "state": JobState.STOPPED.value,
+                 "reason": f"its supervisor and driver were gone (last state {final.get('state')}); stopped"}
     for pid, address in ((handle.kafka_pid, handle.kafka), (handle.redis_pid, handle.redis_url)):
         stop_service(pid, address.rsplit(":", 1)[-1])
     handle.final, handle.driver_pid = final, None

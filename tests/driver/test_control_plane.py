@@ -158,6 +158,22 @@ def test_a_killed_supervisor_leaves_a_job_that_still_answers_and_ends_cleanly(tm
     job.assert_services_gone()
 
 
+def test_stop_cleans_up_after_a_job_whose_supervisor_and_driver_were_both_killed(tmp_path, capsys, wait):
+    """Nobody is left to end it, but its nodes train on and its services serve: `stop` ends them all."""
+    job = launch(capsys, job_yaml(tmp_path, "cp-headless", steps=100000), "cp-headless")
+    wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
+    nodes = [job.node_pid(n) for n in ("n0", "n1", "n2")]
+    os.kill(job.handle.supervisor_pid, signal.SIGKILL)
+    os.kill(job.handle.driver_pid, signal.SIGKILL)
+    wait(lambda: not job.refresh().live(), 10, "supervisor and driver to die")
+    assert "cp-headless" in cli(capsys, "status") and all(pid_alive(p) for p in nodes)
+    out = cli(capsys, "stop", "cp-headless")
+    assert "had lost its supervisor and driver: stopped what they left (last state: Stopped)" in out, out
+    assert "last state Running" in job.refresh().final["reason"]
+    wait(lambda: not any(pid_alive(p) for p in nodes), 15, "the nodes to exit")
+    job.assert_services_gone()
+
+
 def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
     job = launch(capsys, job_yaml(tmp_path, "cp-bus", steps=50), "cp-bus")
     wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
