@@ -21,8 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # reconnect noise during broker restarts
-    code = Driver(JobStore.from_url(args.redis, args.job), args.redis, args.kafka).run()
-    if args.supervisor_pid and not pid_alive(args.supervisor_pid):
+    store = JobStore.from_url(args.redis, args.job)
+    code = Driver(store, args.redis, args.kafka).run()
+    orphaned = args.supervisor_pid and not pid_alive(args.supervisor_pid)
+    if code == 0 and orphaned and (rec := store.load()) and rec.terminal:  # the job ended, nobody else will tidy
         finish_for_supervisor(args.job)
     return code
 
