@@ -228,6 +228,9 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=1))
     else:
         print_renderable(job_table(handle.job, status, handle.live()))
+        if handle.live() and not pid_alive(handle.supervisor_pid):
+            print(f"its supervisor (pid {handle.supervisor_pid}) is gone: the driver carries the job on and stops "
+                  f"its services when it ends")
     return 0
 
 

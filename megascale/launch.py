@@ -172,6 +172,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                 checkpointer.after_step(trainer)
         if checkpointer:
             checkpointer.flush()  # the last checkpoint commits before the job reports success
+        trainer.finish()
     finally:
         if checkpointer:
             checkpointer.close()

@@ -117,6 +117,11 @@ class Trainer:
         tokens = cfg.batch.global_ * cfg.model.seq
         return StepStats(self.step_index, loss, grad_norm, lr, elapsed, tokens / elapsed, timings.to_dict())
 
+    def finish(self) -> None:
+        """Completes what the last step left in flight (the next step's parameter all-gathers): a process
+        group destroyed under a running gloo collective aborts the process ("terminate called ...")."""
+        self.optimizer.wait_for_params()
+
     def close(self) -> None:
         self.source.close()
         gc.unfreeze()

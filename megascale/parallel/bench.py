@@ -45,6 +45,7 @@ def _time_steps(ctx: ParallelContext, cfg: JobConfig, steps: int) -> float:
     trainer = Trainer(cfg, ctx)
     trainer.step()
     times = sorted(trainer.step().step_time for _ in range(steps))
+    trainer.finish()
     trainer.close()
     return times[len(times) // 2]
 

@@ -31,6 +31,7 @@ def _rank_timings(ctx: ParallelContext, cfg: JobConfig, steps: int) -> dict:
     trainer = Trainer(cfg, ctx)
     trainer.step()  # warm-up: gloo connections, allocator
     stats = [trainer.step() for _ in range(steps)]
+    trainer.finish()
     trainer.close()
     segments = {k: statistics.mean(s.timings["segments"][k] for s in stats) for k in stats[0].timings["segments"]}
     return {"step_time": statistics.median(s.step_time for s in stats), "segments": segments}

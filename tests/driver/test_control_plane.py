@@ -152,7 +152,7 @@ def test_a_killed_supervisor_leaves_a_job_that_still_answers_and_ends_cleanly(tm
     step = job.status()["step"]
     wait(lambda: (job.status().get("step") or 0) >= step + 3, 30, "training to go on without its supervisor")
     detail = cli(capsys, "status", "cp-orphan")
-    assert "Running" in detail and "not running" not in detail
+    assert "Running" in detail and "not running" not in detail and "the driver carries the job on" in detail
     assert "job cp-orphan stopped: stopped by user" in cli(capsys, "stop", "cp-orphan")
     assert job.refresh().final["state"] == "Stopped" and job.handle.driver_pid is None
     job.assert_services_gone()

@@ -36,7 +36,7 @@ def job(parallelism: dict, block: str = "serial", window=None, optimizer: str = 
 def _train(ctx, cfg):
     trainer = Trainer(cfg, ctx)
     stats = [trainer.step() for _ in range(STEPS)]
-    trainer.optimizer.wait_for_params()
+    trainer.finish()
     params = full_stage_parameters(trainer.chunks, ctx)
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "params": params}
 

@@ -77,3 +77,24 @@ def test_loss_decreases_on_the_learnable_synthetic_data():
     finally:
         trainer.close()
     assert losses[-1] < losses[0] - 0.5
+
+
+def _gathers_in_flight(ctx, cfg) -> tuple[int, int]:
+    trainer = Trainer(cfg, ctx)
+    trainer.step()
+    before = len(trainer.optimizer._gathers)
+    trainer.finish()
+    after = len(trainer.optimizer._gathers)
+    trainer.close()
+    return before, after
+
+
+def test_finish_leaves_no_collective_in_flight_for_the_process_group_teardown():
+    """With overlap, each step ends with the next step's parameter all-gathers running; a rank that
+    destroyed its process group under them aborted at exit now and then (a job's last step)."""
+    from megascale.launch import run_ranks
+    from megascale.parallel.topology import Layout
+
+    cfg = tiny(parallelism={"dp": 2})
+    for before, after in run_ranks(_gathers_in_flight, Layout(dp=2), cfg):
+        assert before > 0 and after == 0

@@ -46,7 +46,9 @@ def _train_with_a_slow_rank(ctx, cfg, slow_rank: int, delay_s: float, onset: int
 
             chunk.forward = slow_forward
     try:
-        return [trainer.step().timings for _ in range(cfg.train.steps)]
+        timings = [trainer.step().timings for _ in range(cfg.train.steps)]
+        trainer.finish()
+        return timings
     finally:
         trainer.close()
 
