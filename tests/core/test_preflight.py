@@ -10,7 +10,7 @@ from megascale.cli import main
 from megascale.config import ConfigError, from_dict
 from megascale.preflight import preflight
 
-JOB = {"name": "pre", "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 256, "seq": 16},
+JOB = {"name": "pre", "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 320, "seq": 16},
        "batch": {"micro": 1, "global": 2}, "data": {"source": "text", "path": "corpus/docs.jsonl"},
        "train": {"steps": 2}}
 
@@ -28,6 +28,21 @@ def test_missing_data_fails_in_one_line_before_any_service_starts(tmp_path, caps
             in err, (command, err)
         assert "\n" not in err and "Traceback" not in err and time.monotonic() - began < 5
     assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "jobs").exists()
+
+
+def test_data_the_ranks_could_not_use_is_refused_up_front(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "notes.bin").write_bytes(b"\0")
+    text = {**JOB, "data": {"source": "text", "path": "corpus"}}
+    with pytest.raises(ConfigError, match=r"^data.path=corpus: empty corpus: no text files"):
+        preflight(from_dict(text))
+    with pytest.raises(ConfigError, match=r"^data.path=corpus: .*no manifest; make one with `megascale data prepare`"):
+        preflight(from_dict({**JOB, "data": {"source": "shards", "path": "corpus"}}))
+    (tmp_path / "corpus" / "docs.txt").write_text("hello")
+    with pytest.raises(ConfigError, match=r"^model.vocab=200 is below the 257 token ids of data.path=corpus"):
+        preflight(from_dict({**text, "model": {**JOB["model"], "vocab": 200}}))
+    assert preflight(from_dict(text)).data.path == str(tmp_path.resolve() / "corpus")
 
 
 def test_a_relative_data_path_is_made_absolute_for_ranks_that_run_elsewhere(tmp_path, monkeypatch):
