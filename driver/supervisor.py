@@ -151,7 +151,6 @@ class Supervisor:
         if self.driver is not None:
             stop_process(self.driver, grace_s=10)
 
-
     def _on_signal(self, signum: int, frame) -> None:
         self._signals += 1
 
