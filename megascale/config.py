@@ -110,6 +110,9 @@ class CheckpointConfig:
     keeper_idle_s: float = 900.0  # the node's snapshot keeper exits this long after its last rank disconnects
     # Training blocked on a persist (the previous checkpoint still writing) is not a hang for this long.
     persist_timeout_s: float = 600.0
+    # A save due while the previous checkpoint still persists: wait for it, or skip this one and train
+    # on (the last step's save is never skipped).
+    when_busy: Literal["wait", "skip"] = "wait"
 
 
 @dataclass

@@ -66,6 +66,7 @@ class Checkpointer:
         self.commit_pending: Optional[int] = None  # rank 0: manifest write in flight
         self.last_committed: Optional[int] = None
         self.stalls: list[float] = []  # seconds each save blocked the training loop
+        self.skipped: list[int] = []  # steps whose save was skipped (checkpoint.when_busy: skip)
         self.persist_seconds: list[float] = []
         self.failures: dict[int, str] = {}  # step -> why it was not committed
         self.bytes_read = 0  # shard bytes this rank read from storage in restore
@@ -145,7 +146,14 @@ class Checkpointer:
     def save(self, trainer: Any) -> None:
         """Phase 1 (collective only if a previous persist is unfinished): snapshot, hand over, return."""
         started = time.perf_counter()
-        if self.pending is not None:
+        busy = self.pending is not None  # the same on every rank: set and cleared by collectives only
+        if busy and self.cfg.checkpoint.when_busy == "skip" and trainer.step_index < self.cfg.train.steps:
+            self.skipped.append(trainer.step_index)
+            if self.ctx.rank == 0:
+                log.warning("checkpoint at step %d skipped: step %d is still persisting (checkpoint.when_busy: "
+                            "skip)", trainer.step_index, self.pending)
+            return
+        if busy:
             self._wait_for_persist()
             waited = time.perf_counter() - started
             if self.ctx.rank == 0:

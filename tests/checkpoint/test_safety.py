@@ -118,3 +118,27 @@ def test_persister_killed_mid_write_keeps_the_previous_checkpoint(ckpt_dir, make
     assert checkpointer.flush() == 6
     assert committed(ckpt_dir) == [2, 6] and not (ckpt_dir / "step-00000004").exists()
     checkpointer.close()
+
+
+@pytest.mark.parametrize("when_busy", ["wait", "skip"])
+def test_storage_slower_than_checkpoint_every_waits_or_skips_as_configured(ckpt_dir, make_job, fs, when_busy):
+    """Each write takes 0.6 s, a save is due every step (~0.05 s): `wait` stalls training on every save and
+    commits them all; `skip` trains on, skips saves while one persists, and still saves the last step."""
+    cfg = make_job(str(ckpt_dir), steps=6, every=1, keep=10, when_busy=when_busy)
+    fs.set_options(ckpt_dir, delay_s=0.6)
+    trainer, checkpointer = start(cfg)
+    checkpointer.prepare()
+    began = time.monotonic()
+    for _ in range(cfg.train.steps):
+        trainer.step()
+        checkpointer.after_step(trainer)
+    trained_s = time.monotonic() - began
+    assert checkpointer.flush() == 6
+    checkpointer.close()
+    if when_busy == "wait":
+        assert checkpointer.skipped == [] and committed(ckpt_dir) == [1, 2, 3, 4, 5, 6]
+        assert trained_s > 5 * 0.6  # every save after the first waited out a write
+    else:
+        assert checkpointer.skipped and 6 not in checkpointer.skipped
+        assert committed(ckpt_dir) == sorted(set(range(1, 7)) - set(checkpointer.skipped))
+        assert max(checkpointer.stalls[:-1]) < 0.3  # only the last step's save waits
