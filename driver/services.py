@@ -141,6 +141,7 @@ class JobHandle:
     config_path: str
     supervisor_pid: int
     driver_pid: Optional[int] = None
+    driver_started: Optional[float] = None  # when the driver was started, to tell it from a later owner of its pid
     redis_pid: Optional[int] = None  # embedded services only
     kafka_pid: Optional[int] = None
     started: float = dataclasses.field(default_factory=time.time)
@@ -173,7 +174,8 @@ class JobHandle:
     def live(self) -> bool:
         """Whether the job still runs: under its `megascale run`, or, that one killed, under its driver,
         which then finishes the job's end itself (`supervisor.finish_for_supervisor`)."""
-        return self.final is None and (pid_alive(self.supervisor_pid) or pid_alive(self.driver_pid))
+        return self.final is None and (started_by(self.supervisor_pid, self.started)
+                                       or started_by(self.driver_pid, self.driver_started))
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
@@ -202,6 +204,17 @@ def stop_service(pid: Optional[int], port: str, grace_s: float = 5.0) -> None:
             proc.kill()
     except psutil.Error:  # already gone
         return
+
+
+def started_by(pid: Optional[int], moment: Optional[float]) -> bool:
+    """Whether `pid` is alive and was started by `moment` (wall clock): a process started later only
+    reuses the pid of the one recorded then (after a reboot, say)."""
+    if moment is None or not pid_alive(pid):
+        return False
+    try:
+        return psutil.Process(pid).create_time() <= moment + 1.0
+    except psutil.Error:
+        return False
 
 
 def pid_alive(pid: Optional[int]) -> bool:

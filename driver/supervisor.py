@@ -143,7 +143,7 @@ class Supervisor:
                                             "--supervisor-pid", str(os.getpid())],
                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True)
-        handle.driver_pid = self.driver.pid
+        handle.driver_pid, handle.driver_started = self.driver.pid, time.time()
         handle.save()
         log.info("driver started (pid %d)", self.driver.pid)
 

@@ -1,10 +1,14 @@
 """Stopping a service by a recorded pid: only while that pid is still the service (pids are reused)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
-from megascale.driver.services import pid_alive, stop_service
+import psutil
+
+from megascale.driver.services import JobHandle, pid_alive, stop_service
 
 
 def test_stop_service_kills_only_a_process_still_serving_the_recorded_port():
@@ -19,3 +23,14 @@ def test_stop_service_kills_only_a_process_still_serving_the_recorded_port():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_handle_whose_pids_now_belong_to_newer_processes_is_not_live():
+    """After a reboot the recorded pids may name other processes: the job is over, not running."""
+    born = psutil.Process(os.getpid()).create_time()
+    mine = JobHandle(job="j", redis_url="redis://127.0.0.1:1", kafka="127.0.0.1:2", run_dir="/r", config_path="/c",
+                     supervisor_pid=os.getpid(), started=time.time())
+    assert mine.live()
+    reused = JobHandle(job="j", redis_url="redis://127.0.0.1:1", kafka="127.0.0.1:2", run_dir="/r", config_path="/c",
+                       supervisor_pid=os.getpid(), started=born - 100, driver_pid=os.getpid(), driver_started=born - 50)
+    assert not reused.live()
