@@ -231,6 +231,9 @@ def _status(args: argparse.Namespace) -> int:
         if handle.live() and not pid_alive(handle.supervisor_pid):
             print(f"its supervisor (pid {handle.supervisor_pid}) is gone: the driver carries the job on and stops "
                   f"its services when it ends")
+        elif handle.final is None and not handle.live():
+            print(f"its supervisor and driver are gone without ending it: `megascale stop {handle.job}` stops "
+                  f"what they left running")
     return 0
 
 

@@ -167,6 +167,7 @@ def test_stop_cleans_up_after_a_job_whose_supervisor_and_driver_were_both_killed
     os.kill(job.handle.driver_pid, signal.SIGKILL)
     wait(lambda: not job.refresh().live(), 10, "supervisor and driver to die")
     assert "cp-headless" in cli(capsys, "status") and all(pid_alive(p) for p in nodes)
+    assert "`megascale stop cp-headless` stops what they left running" in cli(capsys, "status", "cp-headless")
     out = cli(capsys, "stop", "cp-headless")
     assert "had lost its supervisor and driver: stopped what they left (last state: Stopped)" in out, out
     assert "last state Running" in job.refresh().final["reason"]
