@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import redis
 
 from megascale.config import ConfigError, JobConfig, from_dict, load_config, new_run_dir, with_run_dir
-from megascale.preflight import preflight
+from megascale.preflight import absolute_data_path
 
 from . import log
 from .backend import NodeLaunch, make_backend
@@ -216,8 +216,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     try:
-        # `megascale launch` checked it in the user's shell; the same cwd makes the same absolute paths.
-        return Supervisor(preflight(load_config(args.config, args.overrides)), args.config).run()
+        # `megascale launch` ran the preflight in the user's shell, in this same directory.
+        return Supervisor(absolute_data_path(load_config(args.config, args.overrides)), args.config).run()
     except (ConfigError, SupervisorError) as e:
         print(f"megascale: {e}", file=sys.stderr)
         return 2

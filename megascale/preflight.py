@@ -9,8 +9,8 @@ from megascale.config import ConfigError, JobConfig
 
 
 def preflight(cfg: JobConfig) -> JobConfig:
-    """`cfg` with data.path absolute (ranks and executors may run elsewhere), once its inputs exist
-    and its checkpoint.uri is fit for a fresh start; ConfigError naming the field otherwise."""
+    """`cfg` with data.path absolute, once its inputs exist and its checkpoint.uri is fit for a fresh
+    start; ConfigError naming the field otherwise."""
     from megascale.checkpoint import CheckpointError, check_fresh_start
 
     if cfg.data.source != "synthetic" and cfg.data.path:
@@ -19,12 +19,19 @@ def preflight(cfg: JobConfig) -> JobConfig:
             where = "" if path.is_absolute() else f" (relative paths are from the current directory, {Path.cwd()})"
             raise ConfigError(f"data.path={cfg.data.path}: not found{where}")
         _check_inputs(cfg, path)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(path.resolve())))
     try:
         check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    return cfg
+    return absolute_data_path(cfg)
+
+
+def absolute_data_path(cfg: JobConfig) -> JobConfig:
+    """`cfg` with a relative data.path made absolute from here: ranks and executors may run elsewhere."""
+    if cfg.data.source == "synthetic" or not cfg.data.path:
+        return cfg
+    path = str(Path(cfg.data.path).expanduser().resolve())
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
 
 
 def _check_inputs(cfg: JobConfig, path: Path) -> None:

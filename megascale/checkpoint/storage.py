@@ -22,6 +22,8 @@ from typing import Callable, Iterable, Optional
 
 import pyarrow.fs as pafs
 
+from megascale.config import RUN_DIR
+
 FORMAT, VERSION = "megascale-checkpoint", 1
 MANIFEST = "manifest.json"
 CHUNK = 8 << 20  # I/O and checksum granularity
@@ -242,7 +244,7 @@ def committed_steps(storage: Storage) -> list[int]:
 def check_fresh_start(uri: Optional[str], resume: bool, factory: Optional[str] = None) -> None:
     """A job that does not resume must not start on a checkpoint.uri holding another run's
     checkpoints: its restarts would restore those (CheckpointError, one line, naming the fix)."""
-    if not uri or resume or "{run_dir}" in uri:
+    if not uri or resume or RUN_DIR in uri:
         return
     try:
         steps = committed_steps(open_storage(uri, factory))
