@@ -70,7 +70,10 @@ class RankProcess:
     waiting: Optional[tuple[str, float]] = None  # (what, since when) it is blocked on outside a step
 
     def state(self) -> RankState:
-        code = self.proc.poll()
+        return self.state_at(self.proc.poll())
+
+    def state_at(self, code: Optional[int]) -> RankState:
+        """Its state given its exit code as polled (None: still running)."""
         if code is None:
             return "running" if self.running else "starting"
         if code == 0 and self.done:
@@ -118,10 +121,13 @@ class RankGroup:
         return RankProcess(rank, local_rank, proc, log_path, progress, log_offset=offset)
 
     def poll(self) -> bool:
+        # Exit codes first: a rank seen exited here has had everything it wrote read in this same poll
+        # (its traceback's error line goes out with the heartbeat that reports it failed).
+        codes = [p.proc.poll() for p in self.procs]
         for p in self.procs:
             self._read_progress(p)
             self._scan_log(p)
-        states = [p.state() for p in self.procs]
+        states = [p.state_at(code) for p, code in zip(self.procs, codes)]
         changed, self._states = states != self._states, states
         for p, state in zip(self.procs, states):
             if changed and state == "failed":
