@@ -14,6 +14,10 @@ from megascale.driver.services import JobHandle, pid_alive, stop_service
 def test_stop_service_kills_only_a_process_still_serving_the_recorded_port():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--port", "46123"])
     try:
+        deadline = time.monotonic() + 30
+        while "46123" not in psutil.Process(proc.pid).cmdline():  # until exec: the fork still shows ours
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         stop_service(proc.pid, "51999")  # someone else's process now holds that pid
         assert proc.poll() is None and pid_alive(proc.pid)
         stop_service(proc.pid, "46123")
