@@ -5,8 +5,9 @@ import argparse
 import logging
 import sys
 
+from megascale.common.processes import pid_alive
+
 from .reconcile import Driver
-from .services import pid_alive
 from .state import JobStore
 from .supervisor import finish_for_supervisor
 

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional
 
-from megascale.messages import Heartbeat, HostMetrics, RankStatus, encode, topic
+from megascale.common.messages import Heartbeat, HostMetrics, RankStatus, encode, topic
 
 from .bus import ensure_topics, make_producer
 from .ingest import HeartbeatIngest

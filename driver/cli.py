@@ -21,7 +21,9 @@ import redis
 from megascale.config import load_config
 
 from .chaos import KINDS
-from .services import JobHandle, home, pid_alive
+from megascale.common.processes import pid_alive
+
+from .services import JobHandle, home
 from .state import JobRecord, JobStore, status_view
 
 LAUNCH_WAIT_S = 60.0

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megascale.messages import Heartbeat, MessageError, decode, topic
+from megascale.common.messages import Heartbeat, MessageError, decode, topic
 
 from . import log
 from .bus import TopicReader

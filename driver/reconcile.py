@@ -26,8 +26,9 @@ from urllib.parse import urlparse, urlunparse
 from kafka.errors import KafkaError
 
 from megascale.config import ConfigError, JobConfig, from_dict
-from megascale.messages import Event, encode, topic
-from megascale.parallel.flight_recorder import OpRecord, localize_hang
+from megascale.common.messages import Event, encode, topic
+from megascale.common.flight_format import OpRecord
+from megascale.parallel.flight_recorder import localize_hang
 
 from . import log
 from .backend import Backend, NodeLaunch, make_backend

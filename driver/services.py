@@ -22,15 +22,13 @@ from typing import Optional
 
 import psutil
 
+from megascale.common.processes import free_port, pid_alive
+
 from . import log
 
 READY_TIMEOUT_S = 10.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -178,16 +176,6 @@ class JobHandle:
                                        or started_by(self.driver_pid, self.driver_started))
 
 
-def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited after `grace_s`; reaps it either way."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def stop_service(pid: Optional[int], port: str, grace_s: float = 5.0) -> None:
@@ -216,18 +204,3 @@ def started_by(pid: Optional[int], moment: Optional[float]) -> bool:
     except psutil.Error:
         return False
 
-
-def pid_alive(pid: Optional[int]) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import IO
 
 from megascale.driver.metrics.schema import SEGMENTS
-from megascale.executor.rank import Progress, RankSpec
-from megascale.lifetime import die_with_parent
+from megascale.common.rankspec import Progress, RankSpec
+from megascale.common.lifetime import die_with_parent
 
-from megascale.parallel.flight_recorder import FlightRecorder, read_records
+from megascale.common.flight_format import read_records
+from megascale.parallel.flight_recorder import FlightRecorder
 
 WATCHDOG_LINE = ("[rank{rank}]:[E ProcessGroupNCCL.cpp:616] [Rank {rank}] Watchdog caught collective operation "
                  "timeout: WorkNCCL(SeqNum={step}, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "

@@ -23,7 +23,7 @@ from typing import Literal, Optional
 
 import redis
 
-from megascale.messages import Ack, Command, MessageError, acks_key, command_stream, decode, encode
+from megascale.common.messages import Ack, Command, MessageError, acks_key, command_stream, decode, encode
 
 
 class JobState(str, Enum):

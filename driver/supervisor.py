@@ -24,7 +24,9 @@ from megascale.preflight import absolute_data_path
 
 from . import log
 from .backend import NodeLaunch, make_backend
-from .services import JobHandle, Services, start_services, stop_process, stop_service
+from megascale.common.processes import stop_process
+
+from .services import JobHandle, Services, start_services, stop_service
 from .state import TERMINAL, JobRecord, JobState, JobStore, status_view
 
 POLL_S = 0.5

@@ -25,9 +25,9 @@ import redis
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from megascale.executor.metrics_publisher import MetricsPublisher
-from megascale.messages import JsonlTail
+from megascale.common.messages import JsonlTail
 
-from megascale.messages import (
+from megascale.common.messages import (
     Ack,
     Command,
     Heartbeat,
@@ -41,9 +41,9 @@ from megascale.messages import (
 )
 
 from . import log
-from .env import comm_env
 from .host import host_metrics, identity
-from .rank import RankSpec
+from megascale.common.rankspec import RankSpec
+from megascale.rank import comm_env
 from .ranks import RankGroup
 
 POLL_S = 0.25
@@ -241,7 +241,7 @@ class Executor:
 
     def _flight(self, args: dict) -> tuple[bool, str]:
         """This node's ranks' flight recorders (readable while a rank hangs), newest `last` records each."""
-        from megascale.parallel.flight_recorder import read_records
+        from megascale.common.flight_format import read_records
 
         if self.group is None or self.run_dir is None:
             return True, json.dumps({})

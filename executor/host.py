@@ -6,7 +6,7 @@ import socket
 
 import psutil
 
-from megascale.messages import HostMetrics
+from megascale.common.messages import HostMetrics
 
 
 def identity() -> tuple[str, str]:

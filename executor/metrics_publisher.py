@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
-from megascale.messages import Timings, encode, topic
+from megascale.common.messages import Timings, encode, topic
 
 
 log = logging.getLogger("megascale.driver")

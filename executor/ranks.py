@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from megascale.messages import ErrorLine, RankState, RankStatus
+from megascale.common.messages import ErrorLine, RankState, RankStatus
 
 from . import log
-from .rank import RankSpec
+from megascale.common.rankspec import RankSpec
 
 # Set to a script path to run it instead of the training entry point (tests: fake ranks).
 RANK_ENTRY_ENV = "MEGASCALE_RANK_ENTRY"

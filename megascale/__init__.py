@@ -1,10 +1,7 @@
-"""megascale: production LLM pre-training with 3D parallelism, fault recovery and observability."""
-from pathlib import Path as _Path
+"""megascale: production LLM pre-training with 3D parallelism, fault recovery and observability.
 
-# In a source checkout the sibling folders (driver/, kernels/, data/, ...) are this
-# package's subpackages, exactly as setup.py's package_dir installs them.
-_checkout = _Path(__file__).resolve().parent.parent
-if (_checkout / "setup.py").is_file() and (_checkout / "kernels").is_dir():
-    __path__.append(str(_checkout))  # noqa: F821 - __path__ is set for packages
+The top-level folders driver/, executor/, diagnostics/, kernels/ and data/ are this package's
+subpackages (megascale.driver, ...) through setup.py's package_dir, in a checkout (`pip install -e .`)
+as in a wheel."""
 
 __version__ = "0.1.0"

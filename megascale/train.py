@@ -1,11 +1,15 @@
-"""The one training loop: every rank runs `Trainer.step` in lockstep."""
+"""The one training loop: every rank runs `Trainer.step` in lockstep; `train_rank` is the outer loop
+(logs, metrics, checkpoints) that every way of starting a rank runs."""
 from __future__ import annotations
 
 import gc
+import json
+import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Optional, Protocol
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -14,9 +18,11 @@ from megascale.model.gpt import GPT
 from megascale.parallel.comm import all_reduce
 from megascale.parallel.parallelize import compute_dtype, parallelize
 from megascale.parallel.pipeline import run_schedule
-from megascale.parallel.topology import ParallelContext
+from megascale.parallel.topology import Layout, ParallelContext
 from megascale.synthetic import SyntheticSource
 from megascale.timers import StepTimings
+
+log = logging.getLogger("megascale.train")
 
 
 class BatchSource(Protocol):
@@ -126,3 +132,71 @@ class Trainer:
         self.source.close()
         gc.unfreeze()
         gc.enable()
+
+
+def layout_of(cfg: JobConfig) -> Layout:
+    p = cfg.parallelism
+    return Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
+
+
+def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
+               on_step: Optional[Callable[[dict], None]] = None,
+               on_start: Optional[Callable[[int], None]] = None,
+               on_wait: Optional[Callable[[Optional[str]], None]] = None) -> list[dict]:
+    """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
+    steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
+    reporting rank appends metrics.jsonl and calls `on_step(stats)`. `on_start(step)` learns the
+    step training starts from (a restored checkpoint's, else 0); `on_wait(what)` what training is
+    blocked on outside a step (a checkpoint persisting), then `on_wait(None)`."""
+    from megascale.checkpoint import Checkpointer  # imports this module
+
+    log_file = logging.FileHandler(Path(run_dir) / f"rank-{ctx.rank}.log")
+    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("megascale").addHandler(log_file)
+    logging.getLogger("megascale").setLevel(logging.INFO)
+    log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
+    trainer = Trainer(cfg, ctx)
+    ckpt = cfg.checkpoint
+    checkpointer = Checkpointer(cfg, ctx, trainer.optimizer) if ckpt.every or ckpt.resume else None
+    if checkpointer:
+        if on_wait is not None:
+            checkpointer.on_wait = on_wait
+        if ckpt.resume:
+            checkpointer.restore(trainer)
+        if ckpt.every:
+            checkpointer.prepare()  # allocate the host buffer now, not in the first save
+    if on_start is not None:
+        on_start(trainer.step_index)
+    reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
+    history = []
+    metrics = open(Path(run_dir) / "metrics.jsonl", "a") if reporter else None
+    timings = open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a")
+    try:
+        while trainer.step_index < cfg.train.steps:
+            stats = asdict(trainer.step())
+            history.append(stats)
+            timings.write(json.dumps(stats["timings"]) + "\n")
+            timings.flush()
+            if stats["step"] % cfg.train.log_every == 0:
+                log.info("step %d loss %.4f grad_norm %.3f lr %.3g %.3fs %.0f tok/s", stats["step"], stats["loss"],
+                         stats["grad_norm"], stats["lr"], stats["step_time"], stats["tokens_per_s"])
+            if reporter:
+                metrics.write(json.dumps(stats) + "\n")
+                metrics.flush()
+                if on_step is not None:
+                    on_step(stats)
+            if checkpointer:
+                checkpointer.after_step(trainer)
+        if checkpointer:
+            checkpointer.flush()  # the last checkpoint commits before the job reports success
+        trainer.finish()
+    finally:
+        if checkpointer:
+            checkpointer.close()
+        trainer.close()
+        timings.close()
+        if metrics:
+            metrics.close()
+        logging.getLogger("megascale").removeHandler(log_file)
+        log_file.close()
+    return history

@@ -14,7 +14,7 @@ import sys
 from typing import Optional
 
 from megascale.config import ConfigError, from_dict
-from megascale.lifetime import die_with_parent
+from megascale.common.lifetime import die_with_parent
 
 from .. import log
 from ..backend import NodeLaunch

@@ -28,7 +28,7 @@ from megascale.checkpoint.storage import CheckpointError, StorageUnreadable, che
 from megascale.config import JobConfig, from_dict
 
 from .. import log
-from ..services import stop_process
+from megascale.common.processes import stop_process, stop_processes
 from ..state import JobRecord, JobState, JobStore
 from . import health
 from . import status as job_status
@@ -312,16 +312,8 @@ class Operator:
 
     def _stop_drivers(self) -> None:
         runtimes = [*self.runtimes.values(), *(rt for rt, _ in self.retiring)]
-        procs = [rt.proc for rt in runtimes if rt.proc and rt.proc.poll() is None]
-        for proc in procs:
-            proc.terminate()  # the driver releases its lease; the next operator's driver takes over at once
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # SIGTERM: each driver releases its lease, so the next operator's driver takes over at once
+        stop_processes([rt.proc for rt in runtimes if rt.proc], grace_s=10)
 
     # -- 4. evictions ---------------------------------------------------------------------------------
 

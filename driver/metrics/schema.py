@@ -1,6 +1,6 @@
 """Reading the `timings` records on `<job>.metrics`: StepTimings dicts batched by node.
 
-The message itself is `megascale.messages.Timings` (the one schema module the driver and the
+The message itself is `megascale.common.messages.Timings` (the one schema module the driver and the
 executors share); this module adds what only the metrics side needs: which records are usable,
 and the canonical segment names.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megascale.messages import MessageError, Timings, WrongKind, valid_timings
-from megascale.messages import decode as decode_message
-from megascale.messages import encode as encode_message
+from megascale.common.messages import MessageError, Timings, WrongKind, valid_timings
+from megascale.common.messages import decode as decode_message
+from megascale.common.messages import encode as encode_message
 
 # megascale.timers.SEGMENTS, spelled out: the driver and the dashboard must not import torch
 # just to name them (a test keeps the two equal).

@@ -9,7 +9,7 @@ from typing import Optional, Protocol
 
 import yaml
 
-from megascale.messages import JsonlTail
+from megascale.common.messages import JsonlTail
 from .store import ParquetStore
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megascale.messages import topic
+from megascale.common.messages import topic
 
 from .schema import SEGMENTS, RecordError, decode
 

@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from megascale.messages import Event
+from megascale.common.messages import Event
 
 DIMENSIONS = ("tp", "dp", "pp")  # narrowest first
 DEFAULT_SEGMENTS = ("compute", "data")

@@ -20,7 +20,8 @@ import torch.nn as nn
 from megascale.checkpoint.checkpointer import STATE_KEYS, Checkpointer
 from megascale.checkpoint.client import shutdown_keeper
 from megascale.config import JobConfig, from_dict
-from megascale.launch import layout_of, run_ranks
+from megascale.launch import run_ranks
+from megascale.train import layout_of
 from megascale.parallel.topology import ParallelContext
 from megascale.parallel.zero import DistributedOptimizer
 
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="megascale-bench-ckpt-") as root:
         cfg = bench_job(os.path.join(root, "two_phase"), args.quick)
         try:
-            result = run_ranks(_bench_rank, layout_of(cfg), cfg, root, params_per_slice, timeout_s=170)[0]
+            result = run_ranks(_bench_rank, layout_of(cfg), cfg, root, params_per_slice)[0]
         finally:
             shutdown_keeper(cfg.checkpoint.uri)
     stall = {name: result[name]["stall_s"] for name in ("two_phase", "sync_torch_save", "dcp_async_save")}

@@ -9,7 +9,8 @@ import time
 import torch
 
 from megascale.config import JobConfig, from_dict
-from megascale.launch import layout_of, run_ranks
+from megascale.launch import run_ranks
+from megascale.train import layout_of
 from megascale.model.gpt import GPT
 from megascale.parallel.topology import ParallelContext, single_device_context
 

@@ -6,7 +6,8 @@ import argparse
 import statistics
 
 from megascale.config import JobConfig, from_dict
-from megascale.launch import layout_of, run_ranks
+from megascale.launch import run_ranks
+from megascale.train import layout_of
 from megascale.parallel.bubble import measure_bubble
 from megascale.parallel.topology import Layout, ParallelContext
 from megascale.timers import COMM_KINDS

@@ -13,31 +13,13 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-# Header: magic, capacity, records written. Record: seq, op, group, peer, enqueue, end.
-_HEADER = struct.Struct("<8sqq")
-_RECORD = struct.Struct("<qii16sidd")
-_MAGIC = b"MSFLIGHT"
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
-NO_PEER = -1
-
-
-@dataclass(frozen=True)
-class OpRecord:
-    seq: int  # per (group, peer) sequence number: the n-th such operation this rank entered
-    op: str
-    group: str  # group name + first member, e.g. "dp:0"; unique within the job
-    members: int  # group size
-    peer: int  # global rank of the P2P peer, or -1 for a collective
-    enqueued: float
-    ended: Optional[float]  # None: still in flight (or never waited on)
-
+from megascale.common.flight_format import HEADER, MAGIC, NO_PEER, OPS, RECORD, OpRecord
 
 class FlightRecorder:
     def __init__(self, path: str | Path, capacity: int = 512):
         self.path, self.capacity = Path(path), capacity
-        size = _HEADER.size + capacity * _RECORD.size
+        size = HEADER.size + capacity * RECORD.size
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, size)
@@ -46,7 +28,7 @@ class FlightRecorder:
             os.close(fd)
         self._written = 0
         self._sequences: dict[tuple[str, int], int] = {}
-        _HEADER.pack_into(self._map, 0, _MAGIC, capacity, 0)
+        HEADER.pack_into(self._map, 0, MAGIC, capacity, 0)
 
     def begin(self, op: str, group: str, members: int, peer: int = NO_PEER) -> int:
         """Records that this rank entered an operation; returns the slot to pass to `end`."""
@@ -54,35 +36,18 @@ class FlightRecorder:
         seq = self._sequences.get(key, 0) + 1
         self._sequences[key] = seq
         slot = self._written % self.capacity
-        _RECORD.pack_into(self._map, _HEADER.size + slot * _RECORD.size, seq, OPS.index(op), members,
+        RECORD.pack_into(self._map, HEADER.size + slot * RECORD.size, seq, OPS.index(op), members,
                           group.encode()[:16], peer, time.time(), 0.0)
         self._written += 1
-        _HEADER.pack_into(self._map, 0, _MAGIC, self.capacity, self._written)
+        HEADER.pack_into(self._map, 0, MAGIC, self.capacity, self._written)
         return slot
 
     def end(self, slot: int) -> None:
-        offset = _HEADER.size + slot * _RECORD.size + _RECORD.size - 8
+        offset = HEADER.size + slot * RECORD.size + RECORD.size - 8
         struct.pack_into("<d", self._map, offset, time.time())
 
     def close(self) -> None:
         self._map.close()
-
-
-def read_records(path: str | Path) -> list[OpRecord]:
-    """The ring buffer of a (possibly hung or dead) rank, oldest first."""
-    data = Path(path).read_bytes()
-    magic, capacity, written = _HEADER.unpack_from(data, 0)
-    if magic != _MAGIC:
-        raise ValueError(f"{path}: not a flight-recorder file")
-    count = min(written, capacity)
-    first = written - count
-    records = []
-    for n in range(first, written):
-        seq, op, members, group, peer, enqueued, ended = _RECORD.unpack_from(
-            data, _HEADER.size + (n % capacity) * _RECORD.size)
-        records.append(OpRecord(seq, OPS[op], group.rstrip(b"\0").decode(), members, peer, enqueued,
-                                ended or None))
-    return records
 
 
 @dataclass

@@ -6,6 +6,7 @@ traffic stays on a node and DP groups are built within a PP stage (MegaScale §2
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -143,8 +144,10 @@ _TIMER_KIND = {"tp": "tp", "dp": "dp", "pp": "pp", "pp_forward": "pp", "pp_backw
 
 
 def build_context(layout: Layout, rank: int, device: Optional[torch.device] = None,
-                  sequence_parallel: bool = False) -> ParallelContext:
-    """Creates this rank's groups (torch.distributed must be initialised when world > 1)."""
+                  sequence_parallel: bool = False, timeout: Optional[timedelta] = None) -> ParallelContext:
+    """Creates this rank's groups (torch.distributed must be initialised when world > 1). `timeout` is
+    every group's collective timeout (`comm.timeout_s`): torch gives a new group its own default
+    (30 min), not the one the process group was initialised with."""
     device = device or torch.device("cpu")
     timer = StepTimer(device)
     groups = {}
@@ -155,7 +158,8 @@ def build_context(layout: Layout, rank: int, device: Optional[torch.device] = No
             # process made before, so every rank creates its groups in the same order (this list).
             # Eager NCCL init (init_process_group(device_id=...)) would need every rank in every
             # split; we do not pass device_id, so communicators are created lazily per group.
-            pg = dist.new_group(members, use_local_synchronization=True, group_desc=f"{name}:{members[0]}")
+            pg = dist.new_group(members, timeout=timeout, use_local_synchronization=True,
+                                group_desc=f"{name}:{members[0]}")
         groups[name] = Group(ranks=members, rank=members.index(rank), pg=pg, kind=_TIMER_KIND[name], timer=timer,
                              name=f"{name}:{members[0]}")
     return ParallelContext(layout=layout, rank=rank, device=device, sequence_parallel=sequence_parallel,

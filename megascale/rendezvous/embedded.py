@@ -9,20 +9,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 
 import redis
 
+from megascale.common.processes import free_port, stop_process
+
 READY_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def redis_binary() -> str:
@@ -95,12 +90,8 @@ class EmbeddedRedis:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc:
+            stop_process(self.proc, grace_s=5)
         if self.proc and self.proc.stderr:
             self.proc.stderr.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megascale.checkpoint import Checkpointer, CheckpointError, shutdown_keeper
-from megascale.launch import layout_of, run_ranks
+from megascale.launch import run_ranks
+from megascale.train import layout_of
 from megascale.parallel.topology import single_device_context
 from megascale.train import Trainer
 
@@ -66,13 +67,12 @@ def interrupt_and_resume(job, root: Path, parallelism: dict, resume_parallelism:
     out = root.parent / "losses.json"
     with pytest.raises(RuntimeError, match="without a result"):
         run_ranks(train_then_crash, layout_of(cfg), cfg, str(out),
-                  sequence_parallel=cfg.parallelism.sequence_parallel, timeout_s=240)
+                  sequence_parallel=cfg.parallelism.sequence_parallel)
     if not from_memory:
         assert shutdown_keeper(str(root)) is not None  # as if the node had been replaced
     Path(f"{root}.reads").unlink(missing_ok=True)
     cfg = job(str(root), resume_parallelism or parallelism, steps=STEPS)
-    results = run_ranks(resume, layout_of(cfg), cfg, sequence_parallel=cfg.parallelism.sequence_parallel,
-                        timeout_s=240)
+    results = run_ranks(resume, layout_of(cfg), cfg, sequence_parallel=cfg.parallelism.sequence_parallel)
     assert all(r["start"] == SAVE_AT for r in results)
     return json.loads(out.read_text()), results
 
@@ -131,9 +131,9 @@ def test_ranks_killed_mid_persist_resume_from_that_checkpoint_in_host_memory(ckp
     fs.set_options(ckpt_dir, delay_s=3)  # the keepers are still writing when the ranks die
     out = ckpt_dir.parent / "losses.json"
     with pytest.raises(RuntimeError, match="without a result"):
-        run_ranks(crash_while_persisting, layout_of(cfg), cfg, str(out), timeout_s=240)
+        run_ranks(crash_while_persisting, layout_of(cfg), cfg, str(out))
     assert not list(ckpt_dir.glob("*/manifest.json"))  # nothing committed when they died
-    results = run_ranks(resume, layout_of(cfg), cfg, timeout_s=240)
+    results = run_ranks(resume, layout_of(cfg), cfg)
     assert [r["start"] for r in results] == [SAVE_AT, SAVE_AT]
     assert_exact(json.loads(out.read_text()), results)
     assert all(r["bytes_read"] == 0 and r["from"] == {"host memory": 1} for r in results)

@@ -11,8 +11,8 @@ import sys
 import time
 
 from megascale.driver.sim_rank import step_timings, timings_file, write_line
-from megascale.executor.rank import Progress, RankSpec
-from megascale.lifetime import die_with_parent
+from megascale.common.rankspec import Progress, RankSpec
+from megascale.common.lifetime import die_with_parent
 
 spec = RankSpec.load(sys.argv[1])
 die_with_parent(spec.parent_pid)

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from kafka import KafkaProducer
 from megascale.driver.metrics.store import ParquetStore
-from megascale.driver.services import JobHandle, pid_alive, port_open
+from megascale.common.processes import pid_alive
+from megascale.driver.services import JobHandle, port_open
 from megascale.driver.state import JobState, JobStore, status_view
 
 from megascale.cli import main

@@ -8,7 +8,7 @@ from kafka import KafkaProducer
 
 from megascale.driver.bus import ensure_topics
 from megascale.driver.ingest import HeartbeatIngest
-from megascale.messages import Heartbeat, Metric, encode, topic
+from megascale.common.messages import Heartbeat, Metric, encode, topic
 
 
 def hb(node: str, seq: int, job: str = "j", boot: str = "b") -> bytes:

@@ -14,7 +14,7 @@ from megascale.driver.metrics.store import ParquetStore
 from megascale.driver.metrics.stragglers import segment_value
 from megascale.driver.sim_rank import step_timings
 from megascale.driver.state import JobState
-from megascale.executor.rank import RankSpec
+from megascale.common.rankspec import RankSpec
 from megascale.timers import SEGMENTS
 
 from .test_control_plane import launch

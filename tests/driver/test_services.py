@@ -8,7 +8,8 @@ import time
 
 import psutil
 
-from megascale.driver.services import JobHandle, pid_alive, stop_service
+from megascale.common.processes import pid_alive
+from megascale.driver.services import JobHandle, stop_service
 
 
 def test_stop_service_kills_only_a_process_still_serving_the_recorded_port():

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from megascale.driver.state import TERMINAL, TRANSITIONS, JobRecord, JobState, JobStore, NodeSlot, TransitionError
-from megascale.messages import Ack, acks_key, command_stream, decode, encode
+from megascale.common.messages import Ack, acks_key, command_stream, decode, encode
 
 
 def test_every_state_is_reachable_and_terminal_states_are_final():

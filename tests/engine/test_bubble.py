@@ -14,13 +14,13 @@ from megascale.parallel.topology import Layout
 
 @pytest.mark.parametrize("pp, vpp, microbatches", [(4, 2, 8), (2, 1, 4)])
 def test_measured_bubble_matches_formula(pp, vpp, microbatches):
-    results = run_ranks(measure_bubble, Layout(pp=pp, vpp=vpp), microbatches, 0.08, 0.16, timeout_s=120)
+    results = run_ranks(measure_bubble, Layout(pp=pp, vpp=vpp), microbatches, 0.08, 0.16)
     measured = max(r["measured"] for r in results)
     formula = results[0]["formula"]
     assert measured == pytest.approx(formula, abs=0.05), (measured, formula)
 
 
 def test_interleaving_shrinks_the_bubble():
-    plain = run_ranks(measure_bubble, Layout(pp=4, vpp=1), 8, 0.02, 0.04, timeout_s=120)
-    interleaved = run_ranks(measure_bubble, Layout(pp=4, vpp=2), 8, 0.01, 0.02, timeout_s=120)
+    plain = run_ranks(measure_bubble, Layout(pp=4, vpp=1), 8, 0.02, 0.04)
+    interleaved = run_ranks(measure_bubble, Layout(pp=4, vpp=2), 8, 0.01, 0.02)
     assert max(r["measured"] for r in interleaved) < max(r["measured"] for r in plain) - 0.1

@@ -9,7 +9,8 @@ import torch
 
 from megascale.launch import run_ranks
 from megascale.parallel.comm import all_reduce
-from megascale.parallel.flight_recorder import FlightRecorder, localize_hang, read_records
+from megascale.common.flight_format import read_records
+from megascale.parallel.flight_recorder import FlightRecorder, localize_hang
 from megascale.parallel.topology import Layout
 
 LAYOUT = Layout(tp=2, dp=2)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megascale.config import from_dict
-from megascale.launch import layout_of, run_ranks
+from megascale.launch import run_ranks
+from megascale.train import layout_of
 from megascale.model.gpt import GPT
 from megascale.parallel.state import full_stage_parameters
 from megascale.parallel.topology import single_device_context
@@ -49,8 +50,7 @@ def single_rank(cfg):
 
 def assert_parity(cfg):
     expected = single_rank(cfg)
-    results = run_ranks(_train, layout_of(cfg), cfg, sequence_parallel=cfg.parallelism.sequence_parallel,
-                        timeout_s=240)
+    results = run_ranks(_train, layout_of(cfg), cfg, sequence_parallel=cfg.parallelism.sequence_parallel)
     for rank, got in enumerate(results):
         torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=0, msg=f"rank {rank} loss")
         torch.testing.assert_close(got["grad_norm"], expected["grad_norm"], rtol=1e-5, atol=1e-7,
@@ -121,7 +121,7 @@ def test_meta_init_materialises_only_the_stage_and_matches_an_eager_model():
     and those (TP slices gathered) equal a GPT initialised whole on one device, bit for bit."""
     cfg = job({"tp": 2, "pp": 2}, tied=True)
     eager = {name: p.detach() for name, p in GPT(cfg.model).named_parameters()}
-    results = run_ranks(_initial_parameters, layout_of(cfg), cfg, timeout_s=240)
+    results = run_ranks(_initial_parameters, layout_of(cfg), cfg)
     for rank, got in enumerate(results):
         for name, value in got["params"].items():
             torch.testing.assert_close(value, eager.get(name, eager["wte.weight"]), rtol=0, atol=0,

@@ -130,7 +130,7 @@ def _count_block_collectives(ctx) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_runs():
-    return run_ranks(_count_block_collectives, Layout(tp=2), timeout_s=120)
+    return run_ranks(_count_block_collectives, Layout(tp=2))
 
 
 def test_tp_block_outputs_match_single_device(tp_runs):

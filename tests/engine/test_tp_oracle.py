@@ -164,7 +164,7 @@ def _all_cases(ctx) -> dict:
 @pytest.fixture(scope="module")
 def results():
     # Each case sets sequence parallelism itself, so one job covers TP and SP.
-    return run_ranks(_all_cases, Layout(tp=TP), timeout_s=120)
+    return run_ranks(_all_cases, Layout(tp=TP))
 
 
 def _assert_pairs(results, case: str):

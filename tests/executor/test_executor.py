@@ -9,9 +9,10 @@ import redis
 
 from megascale.config import from_dict
 from megascale.driver.bus import TopicReader
-from megascale.executor.env import DEFAULT_COMM_ENV, comm_env
+from megascale.rank import DEFAULT_COMM_ENV, comm_env
 from megascale.executor.ranks import classify
-from megascale.messages import Ack, Command, Heartbeat, Metric, Timings, acks_key, command_stream, decode, encode, topic
+from megascale.common.messages import (Ack, Command, Heartbeat, Metric, Timings, acks_key, command_stream, decode,
+                                       encode, topic)
 
 def test_error_lines_are_classified():
     assert classify("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"

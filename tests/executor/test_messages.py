@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megascale.messages import (
+from megascale.common.messages import (
     SCHEMA_VERSION,
     Ack,
     Command,

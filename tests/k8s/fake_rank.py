@@ -6,8 +6,8 @@ import os
 import sys
 import time
 
-from megascale.executor.rank import Progress, RankSpec
-from megascale.lifetime import die_with_parent
+from megascale.common.rankspec import Progress, RankSpec
+from megascale.common.lifetime import die_with_parent
 
 spec = RankSpec.load(sys.argv[1])
 die_with_parent(spec.parent_pid)

@@ -24,7 +24,7 @@ from megascale.driver.k8s.spec import ServiceDefaults
 from megascale.driver.services import EmbeddedKafka
 from megascale.driver.state import JobStore
 
-from megascale.messages import acks_key
+from megascale.common.messages import acks_key
 from megascale.rendezvous.embedded import EmbeddedRedis
 
 FAKE_RANK = str(Path(__file__).with_name("fake_rank.py"))

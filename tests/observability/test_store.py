@@ -12,8 +12,8 @@ from megascale.driver.metrics.schema import SEGMENTS, decode, encode
 from megascale.driver.metrics.sources import RunDirSource
 from megascale.driver.metrics.store import MetricsConsumer, ParquetStore
 
-from megascale.messages import Metric, Timings, topic
-from megascale.messages import encode as encode_message
+from megascale.common.messages import Metric, Timings, topic
+from megascale.common.messages import encode as encode_message
 
 
 def wait_for(condition, timeout: float = 20.0, what: str = "condition") -> None:

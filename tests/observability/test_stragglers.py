@@ -13,7 +13,7 @@ from megascale.driver.metrics.stragglers import (
     to_event,
 )
 
-from megascale.messages import Event, decode, encode
+from megascale.common.messages import Event, decode, encode
 
 RANKS_PER_NODE = 2  # as in conftest.real_run
 

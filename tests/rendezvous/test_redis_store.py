@@ -23,7 +23,7 @@ from megascale.rendezvous import (
     redis_store,
 )
 from megascale.rendezvous.bench import check_real_results, launch_ranks
-from megascale.rendezvous.embedded import free_port
+from megascale.common.processes import free_port
 
 pytestmark = pytest.mark.timeout(90)  # a hang fails fast instead of stalling the suite
 

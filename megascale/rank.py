@@ -1,0 +1,80 @@
+"""The one rank start-up: `init_rank` turns a process into rank R of a job, the same way for
+`megascale train` (local processes), the executors' ranks and the benchmarks.
+
+Its communication settings come from the job's `comm` section and nowhere else: `comm.timeout_s`
+is the process group's timeout (gloo and NCCL) and the only time limit a rank has; a rank hung
+for shorter than that is the driver's hang detector's business. `comm.env` goes over defaults
+that make a broken link fail fast and loudly instead of hanging a collective forever, so the
+driver can see the failure (MegaScale §4): NCCL retries InfiniBand transfers a bounded number of
+times, and the PyTorch NCCL watchdog tears a rank down on a collective error or timeout rather
+than leaving it blocked. Gloo has no such variables; its timeout is `comm.timeout_s`.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import megascale.rendezvous  # noqa: F401  registers the redis:// init method
+from megascale.config import CommConfig
+from megascale.parallel.flight_recorder import FlightRecorder
+from megascale.parallel.topology import Layout, ParallelContext, build_context
+
+DEFAULT_COMM_ENV = {
+    "NCCL_IB_TIMEOUT": "22",  # 4.096 us * 2^22 ~ 17 s per InfiniBand retry
+    "NCCL_IB_RETRY_CNT": "7",
+    "NCCL_DEBUG": "WARN",  # NCCL's own error lines reach the rank log, where the executor scans them
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed or timed-out collective ends the process
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "PYTHONUNBUFFERED": "1",  # rank stderr reaches the log (and the error scanner) at once
+}
+
+
+def comm_env(job_env: dict[str, str], inherited: dict[str, str]) -> dict[str, str]:
+    """Variables to add to a rank's environment: defaults < what the process inherited < the job's config."""
+    env = {k: v for k, v in DEFAULT_COMM_ENV.items() if k not in inherited}
+    env.update(job_env)
+    return env
+
+
+def resolve_backend(choice: str) -> str:
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return choice
+
+
+def init_rank(layout: Layout, rank: int, init_method: str, comm: CommConfig, *, backend: str = "auto",
+              sequence_parallel: bool = False, local_rank: Optional[int] = None,
+              local_world_size: Optional[int] = None, flight_dir: Optional[str | Path] = None) -> ParallelContext:
+    """Makes this process rank `rank` of `layout`: communication environment, CPU threads, device,
+    the process group from the rendezvous at `init_method` (`redis://...` or `file://...`), this
+    rank's groups and timers, and, with `flight_dir`, its flight recorder. Undo with `shutdown_rank`."""
+    os.environ.update(comm_env(comm.env, dict(os.environ)))
+    local_rank = rank if local_rank is None else local_rank
+    local_world_size = local_world_size or layout.world_size
+    if "OMP_NUM_THREADS" not in os.environ:  # the node's cores, shared by its ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    backend = resolve_backend(backend)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=comm.timeout_s)
+    if layout.world_size > 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=layout.world_size,
+                                timeout=timeout)
+    ctx = build_context(layout, rank, device, sequence_parallel, timeout)
+    if flight_dir is not None:
+        ctx.attach_recorder(FlightRecorder(Path(flight_dir) / f"flight-rank{rank}.bin"))
+    return ctx
+
+
+def shutdown_rank() -> None:
+    """Leaves the job's process group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
