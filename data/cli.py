@@ -18,8 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help=f"text files or directories (directories contribute {', '.join(TEXT_SUFFIXES)}; "
                            ".jsonl lines are {\"text\": ...} documents, any other file is one document)")
     prep.add_argument("--output", required=True, metavar="DIR", help="dataset directory to create")
-    prep.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte",
-                      help="byte: UTF-8 bytes (vocab 257); bpe: byte-level BPE trained here on the inputs")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|bpe|PATH",
+                      help="byte: UTF-8 bytes (vocab 257); bpe: byte-level BPE trained here on the inputs; PATH: a "
+                           "Hugging Face tokenizer.json, or a folder holding one or GPT-2 vocab.json + merges.txt "
+                           "(copied into DIR)")
     prep.add_argument("--vocab", type=int, help="BPE vocabulary size, end-of-text included (<= model.vocab)")
     prep.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                       help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS})")
@@ -35,7 +37,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from megascale.data.prepare import prepare
 
     if args.vocab is not None and args.tokenizer != "bpe":
-        return _fail(DataError("--vocab applies to --tokenizer bpe only (byte has 257)"))
+        return _fail(DataError("--vocab applies to --tokenizer bpe only (byte has 257, a pretrained one its own)"))
     try:
         m = prepare(args.input, args.output, tokenizer=args.tokenizer, vocab=args.vocab,
                     shard_tokens=args.shard_tokens, force=args.force)

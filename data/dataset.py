@@ -4,7 +4,7 @@
     shard-00000.arrow    Arrow IPC file, one row per document: tokens list<uint16|uint32>,
                          end-of-text included; uncompressed so a read is one sequential copy
     index.parquet        one row per document: doc, shard, row, tokens, source (input number)
-    tokenizer.json       the trained BPE (absent for the byte tokenizer)
+    tokenizer.json       the BPE trained here, or a copy of the pretrained tokenizer (absent for bytes)
 
 Cheap checks (manifest sums, file sizes) run on open; checksums are verified on every shard read,
 so a shard corrupted mid-run is caught before its tokens reach a model.

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 from megascale.data import DataError
-from megascale.data.dataset import FORMAT, MANIFEST, Dataset, sha256_file
-from megascale.data.tokenizer import make_tokenizer
+from megascale.data.dataset import FORMAT, MANIFEST, Dataset, sha256_bytes, sha256_file
+from megascale.data.tokenizer import HF_FILE, NAMES, load_pretrained, make_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".jsonl")  # what a directory input contributes
 DEFAULT_SHARD_TOKENS = 1 << 22  # 8 MiB of uint16 per shard: big sequential reads, small windows
@@ -118,7 +118,11 @@ def prepare(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     force: bool = False,
 ) -> dict:
-    """Tokenizes `inputs` into the dataset directory `output`; returns the manifest."""
+    """Tokenizes `inputs` into the dataset directory `output`; returns the manifest.
+
+    `tokenizer`: byte, bpe (trained on the inputs to `vocab` ids) or a path to a pretrained one
+    (see tokenizer.load_pretrained), which is copied into `output` as tokenizer.json.
+    """
     output = Path(output)
     if shard_tokens <= 0:
         raise DataError(f"--shard-tokens {shard_tokens}: must be > 0")
@@ -150,12 +154,10 @@ def _write(files: list[Path], tok, dtype: np.dtype, root: Path, shard_tokens: in
 
     writer = _ShardWriter(root, dtype, shard_tokens)
     index: dict[str, list[int]] = {"doc": [], "shard": [], "row": [], "tokens": [], "source": []}
-    eot = np.array([tok.eot_id], dtype=np.int64)
     batch: list[tuple[int, str]] = []
 
     def encode(batch: list[tuple[int, str]]) -> None:
-        for (source, _), ids in zip(batch, tok.encode_batch([t for _, t in batch])):
-            doc = np.concatenate([ids, eot])
+        for (source, _), doc in zip(batch, tok.encode_documents([t for _, t in batch])):
             shard, row = writer.add(doc)
             for key, value in zip(index, (len(index["doc"]), shard, row, len(doc), source)):
                 index[key].append(value)
@@ -172,9 +174,10 @@ def _write(files: list[Path], tok, dtype: np.dtype, root: Path, shard_tokens: in
 
     pq.write_table(pa.table({k: pa.array(v, pa.int64()) for k, v in index.items()}), root / "index.parquet")
     tok_entry = {"kind": tok.kind, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "file": None, "sha256": None}
-    if tok.kind == "bpe":
-        (root / "tokenizer.json").write_text(tok.to_str())
-        tok_entry.update(file="tokenizer.json", sha256=sha256_file(root / "tokenizer.json"))
+    if tok.kind != "byte":
+        # The tokenizer travels with its tokens: sampling and export read it from here.
+        (root / HF_FILE).write_bytes(tok.file_bytes)
+        tok_entry.update(file=HF_FILE, sha256=sha256_file(root / HF_FILE), **tok.manifest_entry())
     manifest = {
         "format": FORMAT,
         "tokenizer": tok_entry,
@@ -202,8 +205,12 @@ def prepare_cached(path: str | Path, run_dir: str | Path, *, tokenizer: str = "b
     import hashlib
 
     files = list_inputs([path])
+    tok_key = tokenizer
+    if tokenizer not in NAMES:  # keyed by content: an edited tokenizer gets new tokens
+        tok = load_pretrained(tokenizer)
+        tok_key = [sha256_bytes(tok.file_bytes), tok.eot_token, tok.eot_first]
     key = json.dumps({
-        "format": FORMAT, "tokenizer": tokenizer, "vocab": vocab, "shard_tokens": shard_tokens,
+        "format": FORMAT, "tokenizer": tok_key, "vocab": vocab, "shard_tokens": shard_tokens,
         "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
     })
     name = "text-" + hashlib.sha256(key.encode()).hexdigest()[:16]

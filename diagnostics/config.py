@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megascale.common import typed
 from megascale.config import ConfigError
 
 # The five checks of the suite, in the order they run (cheap, single-process ones first so the
@@ -141,18 +142,18 @@ class DiagnosticsConfig:
             metric, name = ".".join(parts[1:3]), parts[3]
             if metric not in default_thresholds():
                 raise ConfigError(f"{key}: unknown metric {metric!r}; choose from {','.join(default_thresholds())}")
-            if name not in {f.name for f in dataclasses.fields(Threshold)}:
+            if name not in typed.hints(Threshold):
                 raise ConfigError(f"{key}: unknown field {name!r}; "
                                   "choose from min_ratio,max_ratio,expected,min_value,max_value")
             th = dataclasses.replace(self.threshold(metric))
-            setattr(th, name, _number(key, value, allow_none=True))
+            setattr(th, name, _read(key, typed.hints(Threshold)[name], value))
             self.thresholds = {**self.thresholds, metric: th}
         elif parts[0] == "budgets":
             if len(parts) != 2 or parts[1] not in CHECKS:
                 raise ConfigError(f"{key}: expected budgets.<check> with check in {','.join(CHECKS)}")
-            self.budgets = {**self.budgets, parts[1]: _number(key, value)}
-        elif len(parts) == 1 and key in _FIELD_TYPES:
-            setattr(self, key, _coerce(key, value, _FIELD_TYPES[key]))
+            self.budgets = {**self.budgets, parts[1]: _read(key, float, value)}
+        elif len(parts) == 1 and key in _SETTINGS:
+            setattr(self, key, _read(key, _SETTINGS[key], value))
         else:
             raise ConfigError(f"{key}: unknown diagnostics setting")
 
@@ -165,42 +166,18 @@ class DiagnosticsConfig:
         return self.validate()
 
 
-_FIELD_TYPES = {
-    f.name: f.type for f in dataclasses.fields(DiagnosticsConfig) if f.name not in ("budgets", "thresholds")
-}
+# The fields `set` takes whole (budgets and thresholds are set one entry at a time).
+_SETTINGS = {name: hint for name, hint in typed.hints(DiagnosticsConfig).items()
+             if name not in ("budgets", "thresholds")}
+# `--set` values are command-line text ("0.5", "yes", "gemm,health", "none"); YAML values pass as they are.
+_TEXT = typed.Rules(text=True)
 
 
-def _coerce(key: str, value: Any, type_name: str) -> Any:
-    if "tuple" in type_name:  # checks, interfaces: comma-separated on the command line
-        if value is None or value == "":
-            return None if "None" in type_name else ()
-        items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(str(v).strip() for v in items if str(v).strip())
-    if type_name == "bool":
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if type_name == "int":
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} must be an integer") from None
-    if type_name == "float":
-        return _number(key, value)
-    return str(value)
-
-
-def _number(key: str, value: Any, allow_none: bool = False) -> float | None:
-    if allow_none and (value is None or str(value).lower() in ("none", "null", "")):
-        return None
+def _read(key: str, hint: Any, value: Any) -> Any:
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r} must be a number") from None
+        return typed.read(hint, value, _TEXT)
+    except typed.Invalid as e:
+        raise ConfigError(f"{key}={value!r} must be {typed.expected_words(e.expected)}") from None
 
 
 def _positive(key: str, value: Any) -> None:

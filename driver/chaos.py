@@ -1,7 +1,8 @@
 """`megascale chaos JOB KIND --node N`: inject a fault into a running local job (tests, demos, bench).
 
 Every injection is recorded in the job's Redis with its time, so the driver can measure detection
-latency from the real moment of the fault. Local backend only: it signals processes by pid.
+latency from the real moment of the fault. The kinds that signal processes by pid need the local
+backend; `slow-rank` and `fail-selfcheck` go through Redis to the node's executor.
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from typing import Optional
 import psutil
 
 from megascale.checkpoint.storage import CheckpointError, committed_steps, open_storage, read_manifest, step_dir
-from megascale.config import CheckpointConfig
+from megascale.common.messages import SlowRank, encode, slow_ranks_key
+from megascale.config import CheckpointConfig, from_dict
 
 from .state import JobState, JobStore
 
-KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow", "crash-loop", "corrupt-checkpoint")
+KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow-rank", "fail-selfcheck", "crash-loop",
+         "corrupt-checkpoint", "slow")
+ALIASES = {"slow": "fail-selfcheck"}  # its old name: it never slowed anything, it fails the next self-check
 SLOW_SELFCHECK = {"MEGASCALE_DIAG_SLOW_GEMM": "1:0.2"}  # the node's second device computes at 0.2x
 # kind -> (signal, sent to a "rank" or the node's executor, what was done)
 SIGNALS = {
@@ -69,16 +73,21 @@ def pick_rank(store: JobStore, node: str, rank: Optional[int]) -> psutil.Process
     raise ChaosError(f"node {node} has no running rank{'' if rank is None else f' {rank}'}")
 
 
-def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, count: int = 0,
-           checkpoint: Optional[CheckpointConfig] = None, timeout_s: float = 300.0) -> str:
-    """Does it; returns one line saying what was done."""
+def inject(store: JobStore, kind: str, node: Optional[str] = None, rank: Optional[int] = None, count: int = 0,
+           checkpoint: Optional[CheckpointConfig] = None, timeout_s: float = 300.0, factor: float = 2.0,
+           duration_s: Optional[float] = None) -> str:
+    """Does it; returns one line saying what was done. `node` defaults to n0 (slow-rank: the rank's node)."""
+    kind = ALIASES.get(kind, kind)
+    if kind == "slow-rank":
+        return _slow_rank(store, node, rank, factor, duration_s)
+    node = node or "n0"
     if kind in SIGNALS:
         sig, target, done = SIGNALS[kind]
         pid = pick_rank(store, node, rank).pid if target == "rank" else executor_pid(store, node)
         store.record_chaos(kind, node, {"pid": pid})
         os.kill(pid, sig)
         return done.format(pid=pid, node=node)
-    if kind == "slow":
+    if kind == "fail-selfcheck":
         store.set_injection(node, SLOW_SELFCHECK)
         return f"{node} fails its next self-check's GEMM test (needs MEGASCALE_DIAG_ALLOW_FAULTS=1 on the node)"
     if kind == "crash-loop":
@@ -86,6 +95,35 @@ def inject(store: JobStore, kind: str, node: str, rank: Optional[int] = None, co
     if kind == "corrupt-checkpoint":
         return _corrupt(checkpoint or CheckpointConfig())
     raise ChaosError(f"unknown chaos kind {kind!r} (known: {', '.join(KINDS)})")
+
+
+def _slow_rank(store: JobStore, node: Optional[str], rank: Optional[int], factor: float,
+               duration_s: Optional[float]) -> str:
+    """Makes one rank's process `factor` times slower (its executor throttles it: executor/throttle.py) for
+    `duration_s` seconds, or until the job ends; factor 1 ends it. Recorded like every injection."""
+    rec = store.load()
+    if rec is None:
+        raise ChaosError(f"job {store.job} is not in its Redis")
+    cfg = from_dict(rec.config)
+    if rank is None or not 0 <= rank < cfg.parallelism.world_size:
+        raise ChaosError(f"slow-rank: --rank must name one of the job's ranks 0..{cfg.parallelism.world_size - 1}")
+    if factor < 1 or duration_s is not None and duration_s <= 0:
+        raise ChaosError("slow-rank: --factor must be at least 1 (1 ends a slow-down) and --for above 0")
+    slot = next((s for s in rec.slots("active") if s.index == rank // cfg.ranks_per_node), None)
+    if slot is None:
+        raise ChaosError(f"slow-rank: no active node holds rank {rank} now")
+    if node is not None and node != slot.node:
+        raise ChaosError(f"slow-rank: rank {rank} runs on {slot.node}, not {node}")
+    key = slow_ranks_key(store.job, slot.node)
+    if factor == 1:
+        store.r.hdel(key, str(rank))
+        return f"rank {rank} on {slot.node} runs at full speed again"
+    until = time.time() + duration_s if duration_s else None
+    store.r.hset(key, str(rank), encode(SlowRank(job=store.job, node=slot.node, rank=rank, factor=factor,
+                                                 until=until)))
+    store.record_chaos("slow-rank", slot.node, {"rank": rank, "factor": factor, "for_s": duration_s})
+    how_long = f"for {duration_s:g} s" if duration_s else "until the job ends (--factor 1 ends it)"
+    return f"rank {rank} on {slot.node} computes {factor:g}x slower {how_long}"
 
 
 def _crash_loop(store: JobStore, node: str, count: int, timeout_s: float) -> str:

@@ -20,7 +20,7 @@ import redis
 
 from megascale.config import load_config
 
-from .chaos import KINDS
+from .chaos import ALIASES, KINDS
 from megascale.common.processes import pid_alive
 
 from .services import JobHandle, home
@@ -67,12 +67,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         (("node",), dict(help="node id, e.g. n1")))
     add("spares", "set how many hot spares a job keeps (a job paused for want of nodes resumes once one reports)",
         _spares, job, (("count",), dict(type=int, help="spare nodes to keep started")))
-    add("chaos", "inject a fault into a running local job (tests and demos)", _chaos, job,
-        (("kind",), dict(choices=KINDS)),
-        (("--node",), dict(default="n0", help="node id (default n0)")),
-        (("--rank",), dict(type=int, help="global rank (default: the node's first)")),
+    add("chaos", "inject a fault into a running job (tests and demos): JOB KIND or KIND JOB", _chaos,
+        (("first",), dict(metavar="JOB", help="job name")),
+        (("second",), dict(metavar="KIND", help=f"one of {', '.join(KINDS)}")),
+        (("--node",), dict(help="node id (default n0; slow-rank: the rank's node)")),
+        (("--rank",), dict(type=int, help="global rank (default: the node's first; slow-rank: required)")),
         (("--count",), dict(type=int, default=0,
-                            help="crash-loop: stop after this many kills (0 = until the job ends)")))
+                            help="crash-loop: stop after this many kills (0 = until the job ends)")),
+        (("--factor",), dict(type=float, default=2.0, help="slow-rank: times slower (default 2; 1 ends it)")),
+        (("--for",), dict(dest="duration_s", type=float, metavar="S",
+                          help="slow-rank: seconds it lasts (default: until the job ends)")))
     add("logs", "print a job's logs (driver and nodes)", _logs, job,
         (("--node",), dict(help="only this node's executor and ranks")),
         (("--follow", "-f"), dict(action="store_true", help="keep printing as the logs grow")))
@@ -315,9 +319,18 @@ def _chaos(args: argparse.Namespace) -> int:
 
     from .chaos import ChaosError, inject
 
-    store, rec = _live_job(args.job)
+    job, kind = args.first, args.second
+    if job in KINDS and kind not in KINDS:  # `megascale chaos slow-rank JOB ...`
+        job, kind = kind, job
+    if kind not in KINDS:
+        raise CommandError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind in ALIASES:
+        print(f"megascale chaos: `{kind}` is now `{ALIASES[kind]}` (the node fails its next self-check; "
+              f"`slow-rank` slows a rank)", file=sys.stderr)
+    store, rec = _live_job(job)
     try:
-        print(inject(store, args.kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint))
+        print(inject(store, kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint,
+                     factor=args.factor, duration_s=args.duration_s))
     except ChaosError as e:
         raise CommandError(str(e)) from None
     return 0

@@ -22,6 +22,7 @@ from typing import Optional
 
 import psutil
 
+from megascale.common import typed
 from megascale.common.processes import free_port, pid_alive
 
 from . import log
@@ -158,12 +159,10 @@ class JobHandle:
 
     @classmethod
     def load(cls, job: str) -> Optional["JobHandle"]:
-        try:
-            data = json.loads(cls.path(job).read_text())
+        try:  # a file that is not a job handle (typed.Invalid is a ValueError) is no job either
+            return typed.read(cls, json.loads(cls.path(job).read_text()))
         except (FileNotFoundError, ValueError):
             return None
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
     @staticmethod
     def known() -> list[str]:

@@ -23,6 +23,7 @@ from typing import Literal, Optional
 
 import redis
 
+from megascale.common import typed
 from megascale.common.messages import Ack, Command, MessageError, acks_key, command_stream, decode, encode
 
 
@@ -58,6 +59,49 @@ class TransitionError(RuntimeError):
     """A bug in the driver: it tried a transition the state machine does not have."""
 
 
+class Phase(str, Enum):
+    """The command the current state waits on; its value is the op sent to every active node."""
+    IDLE = ""  # nothing sent in this state yet
+    START = "start"  # Initializing: the ranks of a new incarnation
+    LOCALIZE = "flight"  # Recovering from a hang: every rank's flight recorder
+    STOP = "stop"  # Recovering, Paused: every rank of the incarnation
+    SELFCHECK = "diagnose"  # Recovering: the suspects and their group peers
+
+
+FaultKind = Literal["node_dead", "rank_failed", "ranks_stopped", "rank_error", "nan_loss", "hang", "straggler",
+                    "start_failed", "unresponsive", "evicted"]
+
+
+@dataclass
+class Fault:
+    kind: FaultKind
+    node: Optional[str]  # where it was found, or localised to; None: no node in particular
+    message: str  # one line for `status` and the events topic
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Timeline:
+    """One recovery's moments (epoch seconds) for MTTR: detect, diagnose, restart, catch up."""
+    occurred: float  # best estimate of when the fault happened
+    detected: float
+    step: int  # the step training had reached: caught up once the next incarnation reaches it again
+    incarnation: int  # the incarnation the fault struck
+    diagnosed: Optional[float] = None  # the policy decided
+    resumed: Optional[float] = None  # the next incarnation reported a step
+    restored_step: Optional[int] = None  # the step it restored
+
+
+@dataclass
+class Recovery:
+    """The newest fault and its handling (driver/recovery/); replaced by the next fault."""
+    fault: Fault
+    timeline: Optional[Timeline]  # None once training caught up: its figures are in JobRecord.recoveries
+    suspects: list[str] = field(default_factory=list)  # nodes the self-check starts from
+    bad: dict[str, str] = field(default_factory=dict)  # node -> why its self-check failed
+    rechecked: list[str] = field(default_factory=list)  # nodes given their one retry (control.crashed_selfcheck)
+
+
 @dataclass
 class NodeSlot:
     node: str
@@ -79,17 +123,13 @@ class JobRecord:
     restarts: int = 0
     nodes: list[NodeSlot] = field(default_factory=list)
     next_node: int = 0  # node ids n0, n1, ... are never reused
-    waiting_op: str = ""  # the command this state waits on, and its seq per node
+    phase: Phase = Phase.IDLE  # the command this state waits on, and its seq per node
     waiting: dict[str, int] = field(default_factory=dict)
     waiting_since: float = 0.0
-    fault: Optional[dict] = None
+    recovery: Optional[Recovery] = None  # the newest fault and its handling
     cleaned: bool = False  # terminal state's nodes have been stopped
     created: float = field(default_factory=time.time)
-    suspects: list[str] = field(default_factory=list)  # nodes the current recovery self-checks
-    bad: dict[str, str] = field(default_factory=dict)  # node -> why its self-check failed (current recovery)
-    rechecked: list[str] = field(default_factory=list)  # nodes given their one retry (control.crashed_selfcheck)
-    recovery: Optional[dict] = None  # timings of the recovery in progress (README, *MTTR and ETTR*)
-    recoveries: list[dict] = field(default_factory=list)  # finished ones
+    recoveries: list[dict] = field(default_factory=list)  # finished ones' MTTR phases (driver/recovery/timings.py)
     ideal_step_s: Optional[float] = None  # fastest typical step seen, for ETTR
 
     def move(self, state: JobState, reason: str = "") -> JobState:
@@ -97,7 +137,7 @@ class JobRecord:
         if state not in TRANSITIONS[self.state]:
             raise TransitionError(f"{self.state.value} -> {state.value} is not a transition")
         previous, self.state, self.reason, self.entered = self.state, state, reason, time.time()
-        self.waiting_op, self.waiting, self.waiting_since = "", {}, 0.0
+        self.phase, self.waiting, self.waiting_since = Phase.IDLE, {}, 0.0
         return previous
 
     @property
@@ -117,9 +157,19 @@ class JobRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> "JobRecord":
         data = json.loads(raw)
-        data["state"] = JobState(data["state"])
-        data["nodes"] = [NodeSlot(**n) for n in data["nodes"]]
-        return cls(**data)
+        if "waiting_op" in data:
+            _upgrade(data)
+        return typed.read(cls, data)
+
+
+def _upgrade(data: dict) -> None:
+    """A record written before the typed recovery record (a `waiting_op` string; `fault` and `recovery` dicts),
+    in today's form, so a job outlives an upgrade of its driver."""
+    data["phase"] = data.pop("waiting_op")
+    fault, clock = data.pop("fault"), data.pop("recovery")
+    checks = {k: data.pop(k) for k in ("suspects", "bad", "rechecked")}
+    timeline = {f.name: clock[f.name] for f in dataclasses.fields(Timeline) if f.name in clock} if clock else None
+    data["recovery"] = {"fault": fault, "timeline": timeline, **checks} if fault else None
 
 
 @dataclass
@@ -163,7 +213,7 @@ class JobStatus:
 
     @classmethod
     def from_dict(cls, data: dict) -> "JobStatus":
-        return cls(**{**data, "nodes": [NodeStatus(**n) for n in data.get("nodes", [])]})
+        return typed.read(cls, data)
 
 
 def status_view(status: Optional[JobStatus], rec: Optional[JobRecord]) -> dict:

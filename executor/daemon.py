@@ -45,6 +45,7 @@ from .host import host_metrics, identity
 from megascale.common.rankspec import RankSpec
 from megascale.rank import comm_env
 from .ranks import RankGroup
+from .throttle import SlowRanks
 
 POLL_S = 0.25
 STOP_GRACE_S = 5.0
@@ -60,6 +61,7 @@ class Executor:
         self.host, self.ip = identity()
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.group: Optional[RankGroup] = None
+        self.slow = SlowRanks(self.redis, job, node)  # `megascale chaos slow-rank` faults on this node's ranks
         self.run_dir: Optional[Path] = None  # the job's, where ranks write their flight recorders
         self.phase = "idle"
         self.seq = 0
@@ -92,6 +94,7 @@ class Executor:
                 for cmd in self._read_commands(wait_s):
                     self._execute(cmd)
                 changed = self.group.poll() if self.group else False
+                self.slow.apply(self.group)
                 self._publish_metrics()
                 self._publish_timings()
                 if changed:
@@ -103,6 +106,7 @@ class Executor:
                     code = 1
                     break
         finally:
+            self.slow.stop()
             if self.group and self.group.alive():
                 self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
             self.phase = "exiting"
@@ -164,7 +168,9 @@ class Executor:
             log.exception("command %d (%s) failed", cmd.seq, cmd.op)
             ok, detail = False, f"{type(e).__name__}: {e}"
         ack = Ack(job=self.job, node=self.node, seq=cmd.seq, op=cmd.op, ok=ok, detail=detail)
-        while True:  # an unrecorded ack would make the driver wait forever; Redis outages are short
+        # An unrecorded ack would make the driver wait forever; Redis outages are short. Hand-written, not
+        # redis-py's Retry: the give-up is one outage clock (redis_grace_s) shared with command reads.
+        while True:
             try:
                 self.redis.hset(acks_key(self.job), self.node, encode(ack))
                 self._redis_ok()
@@ -181,6 +187,7 @@ class Executor:
         incarnation = int(args["incarnation"])
         if self.group and self.group.incarnation == incarnation:
             return True, f"incarnation {incarnation} already started"
+        self.slow.stop()
         if self.group and self.group.alive():
             self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         config = args["config"]
@@ -200,6 +207,7 @@ class Executor:
         return True, f"started ranks {args['ranks']} of incarnation {incarnation}"
 
     def _stop_ranks(self, args: dict) -> tuple[bool, str]:
+        self.slow.stop()
         if self.group and self.group.alive():
             self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         self.phase = "idle"

@@ -1,4 +1,4 @@
-"""LayerNorm and GeLU, using NVIDIA apex's fused kernels when they can run."""
+"""LayerNorm (NVIDIA apex's fused kernel when it can run), RMSNorm and GeLU."""
 
 from __future__ import annotations
 
@@ -34,6 +34,20 @@ def LayerNorm(hidden: int, eps: float = 1e-5) -> nn.Module:
     if fused is not None:
         return fused(hidden, eps=eps)
     return nn.LayerNorm(hidden, eps=eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm with Llama's rounding: normalised in fp32, cast back, then scaled by the weight.
+
+    nn.RMSNorm (and apex's fused kernel) scale before casting back; in bf16 that rounds
+    differently from transformers' LlamaRMSNorm, which exported weights must reproduce.
+    """
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from megascale.config import ConfigError
 # Each module exposes `register(subparsers)`; it adds its subcommands and sets `func` on them.
 COMMAND_MODULES = [
     "megascale.commands",
+    "megascale.interop.cli",
+    "megascale.bench.cli",
     "megascale.data.cli",
     "megascale.diagnostics.cli",
     "megascale.driver.cli",

@@ -1,35 +1,12 @@
-"""Core subcommands: `train` (one job's ranks on this machine) and `bench NAME`."""
+"""Core subcommand: `train` (one job's ranks on this machine)."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import sys
-
-# name -> "module:function"; the function takes the parsed args and returns a JSON-able dict.
-BENCHMARKS = {
-    "engine": "megascale.parallel.bench:run",
-    "overlap": "megascale.parallel.bench_overlap:run",
-    "init": "megascale.rendezvous.bench:run",
-    "data": "megascale.data.bench:run",
-    "checkpoint": "megascale.checkpoint.bench:run",
-    "heartbeat": "megascale.driver.bench:run",
-    "timers": "megascale.driver.metrics.bench:run",
-    "recovery": "megascale.driver.bench_recovery:run",
-}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     # `run` (the full control plane) lives in megascale.driver.cli.
     _add_train_parser(subparsers, "train", "train a job's ranks as local processes (no control plane)")
-
-    bench = subparsers.add_parser("bench", help="run a benchmark and print its ratios")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
-    bench.add_argument("--fault-interval", type=float, default=0.0, metavar="S",
-                       help="recovery: seconds from one injected fault to the next (0 = 1 s after each recovery)")
-    bench.set_defaults(func=_bench)
 
 
 def _add_train_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
@@ -57,15 +34,3 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         overrides.append("checkpoint.resume=true")
     return launch_local(preflight(load_config(args.config, overrides)), progress=not args.quiet)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    module, _, function = BENCHMARKS[args.name].partition(":")
-    result = getattr(importlib.import_module(module), function)(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
-    sys.stdout.flush()
-    return 0

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+from megascale.common import typed
 
 
 class ConfigError(ValueError):
@@ -21,19 +22,26 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    arch: Literal["gpt", "llama"] = "gpt"  # gpt: LayerNorm + GeLU MLP; llama: RMSNorm + SwiGLU MLP
     layers: int = 4
     hidden: int = 128
     heads: int = 4
-    ffn: int = 512
+    kv_heads: Optional[int] = None  # grouped-query attention: fewer k/v heads than heads; None = heads
+    ffn: int = 512  # the MLP's inner width (llama: the width of gate and of up)
     vocab: int = 512
     seq: int = 64
     block: Literal["serial", "parallel"] = "serial"
     window: Optional[int] = None  # sliding-window attention span; None = full causal
-    tied_embeddings: bool = False
+    tied_embeddings: bool = False  # lm_head shares wte's weight; off by default for both archs
     dropout: float = 0.0
     rotary_base: float = 10000.0
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     init_std: float = 0.02
     seed: int = 1234
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
 
 
 @dataclass
@@ -78,7 +86,7 @@ class ScheduleConfig:
 class OptimizerConfig:
     name: Literal["lamb", "adamw"] = "lamb"
     lr: float = 1e-3
-    betas: tuple = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
     weight_decay: float = 0.01
     clip_grad: float = 1.0  # global grad-norm clip; 0 disables
@@ -95,9 +103,15 @@ class DataConfig:
     source: Literal["synthetic", "text", "shards"] = "synthetic"
     path: Optional[str] = None
     seed: int = 0
-    tokenizer: Literal["byte", "bpe"] = "byte"  # for source=text; BPE is trained locally, sized to model.vocab
+    # For source=text: byte; bpe (trained locally, sized to model.vocab); or a path to a Hugging Face
+    # tokenizer.json, a folder holding one, or a folder with GPT-2 vocab.json + merges.txt. With
+    # source=shards a path is checked against the tokenizer the dataset was prepared with.
+    tokenizer: str = "byte"
     prefetch: int = 4  # batches the node's loader keeps ready in shared memory
     shuffle_window: int = 8  # shards whose documents are shuffled together
+    # Attention stays inside each document packed into a sequence (documents end at the tokenizer's
+    # end-of-text, or start at its begin-of-text); off, a token also attends to earlier documents.
+    document_mask: bool = False
 
 
 @dataclass
@@ -113,6 +127,9 @@ class CheckpointConfig:
     # A save due while the previous checkpoint still persists: wait for it, or skip this one and train
     # on (the last step's save is never skipped).
     when_busy: Literal["wait", "skip"] = "wait"
+    # Weights a job starts from when it has no checkpoint to resume: hf:DIR, a transformers
+    # save_pretrained directory whose model matches the `model` section (`megascale import`).
+    init_from: Optional[str] = None
 
 
 @dataclass
@@ -146,6 +163,8 @@ class ControlConfig:
     crashed_selfcheck: Literal["evict", "retry"] = "evict"  # a crashed rank's node failing its check: evict,
                                                             # or check once more
     evict_stragglers: bool = False  # a rank the straggler policy names is a fault (its node gets checked)
+    straggler_evict_after: int = 5  # ... once its finding has stood this many judged steps
+    straggler_evict_confidence: float = 0.99999  # ... with at least this confidence (observability.md)
     prometheus_port: int = 0  # the driver serves /metrics here; 0 = a free port, written to the job state file;
                               # -1 = off
 
@@ -191,82 +210,11 @@ class JobConfig:
         return self.cluster.ranks_per_node or self.parallelism.world_size // self.cluster.nodes
 
     def to_dict(self) -> dict:
-        return _to_yaml_dict(self)
+        return typed.to_plain(self)
 
 
-# YAML keys that are Python keywords.
-_YAML_NAMES = {"global_": "global"}
-
-
-def _to_yaml_dict(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {_YAML_NAMES.get(f.name, f.name): _to_yaml_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple):
-        return list(obj)
-    return obj
-
-
-def _build(cls: type, raw: Any, where: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    by_yaml_name = {_YAML_NAMES.get(f.name, f.name): f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(by_yaml_name))
-    if unknown:
-        known = ", ".join(sorted(by_yaml_name))
-        raise ConfigError(f"{_join(where, str(unknown[0]))}: unknown field (known: {known})")
-    values = {}
-    for yaml_name, f in by_yaml_name.items():
-        if yaml_name in raw:
-            values[f.name] = _coerce(hints[f.name], raw[yaml_name], _join(where, yaml_name))
-    return cls(**values)
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, where)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}={value!r}: must be one of {', '.join(map(str, args))}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r}: must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}={value!r}: must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}={value!r}: must be a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}={value!r}: must be a string")
-        return value
-    if origin is dict:  # dict[str, str]: environment-style mappings
-        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float))
-                                                  for k, v in value.items()):
-            raise ConfigError(f"{where}: must be a mapping of names to strings or numbers")
-        return {k: str(v) for k, v in value.items()}
-    if hint is tuple:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
-            raise ConfigError(f"{where}={value!r}: must be a list of numbers")
-        return tuple(float(v) for v in value)
-    raise TypeError(f"unsupported config type {hint} at {where}")  # a bug in this module, not user input
+# A job YAML is written by people: a misspelt field is an error, and an empty section (`model:`) has its defaults.
+_YAML = typed.Rules(forbid_unknown=True, none_is_default=True)
 
 
 def _positive(where: str, value: int | float) -> None:
@@ -292,6 +240,7 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"model.hidden/model.heads={m.hidden // m.heads} must be even for rotary positions")
     if m.heads % p.tp:
         raise ConfigError(f"parallelism.tp={p.tp} does not divide model.heads={m.heads}")
+    _validate_kv_heads(m, p)
     if m.ffn % p.tp:
         raise ConfigError(f"parallelism.tp={p.tp} does not divide model.ffn={m.ffn}")
     if m.vocab % p.tp:
@@ -302,6 +251,8 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"parallelism.tp={p.tp} does not divide model.seq={m.seq} (needed by sequence_parallel)")
     if m.window is not None and not 0 < m.window <= m.seq:
         raise ConfigError(f"model.window={m.window}: must be in 1..model.seq={m.seq}")
+    _positive("model.rotary_base", m.rotary_base)
+    _positive("model.norm_eps", m.norm_eps)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout}: must be in [0, 1)")
     if b.global_ % (b.micro * p.dp):
@@ -327,6 +278,9 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     if (cfg.checkpoint.every or cfg.checkpoint.resume) and not cfg.checkpoint.uri:
         raise ConfigError("checkpoint.uri: required when checkpoint.every > 0 or checkpoint.resume is set")
+    if cfg.checkpoint.init_from is not None and not cfg.checkpoint.init_from.startswith("hf:"):
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: expected hf:DIR "
+                          "(a transformers save_pretrained directory)")
     _positive("checkpoint.keeper_idle_s", cfg.checkpoint.keeper_idle_s)
     _positive("checkpoint.persist_timeout_s", cfg.checkpoint.persist_timeout_s)
     _positive("data.prefetch", cfg.data.prefetch)
@@ -335,10 +289,25 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"data.seed={cfg.data.seed}: must be >= 0")
     if cfg.data.source != "synthetic" and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.source={cfg.data.source}")
+    if not cfg.data.tokenizer.strip():
+        raise ConfigError("data.tokenizer: must be byte, bpe or a path to a tokenizer")
+    if cfg.data.document_mask and cfg.data.source == "synthetic":
+        raise ConfigError("data.document_mask: needs data.source text or shards (synthetic data has no documents)")
     _validate_cluster(cfg)
     if not cfg.name or not all(c.isalnum() or c in "-_." for c in cfg.name):
         raise ConfigError(f"name={cfg.name!r}: use letters, digits, '-', '_' or '.'")
     return cfg
+
+
+def _validate_kv_heads(m: ModelConfig, p: ParallelismConfig) -> None:
+    if m.kv_heads is None:
+        return
+    _positive("model.kv_heads", m.kv_heads)
+    if m.heads % m.kv_heads:
+        raise ConfigError(f"model.kv_heads={m.kv_heads} does not divide model.heads={m.heads}")
+    if m.kv_heads % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide model.kv_heads={m.kv_heads} "
+                          "(each TP rank holds whole k/v heads)")
 
 
 def _validate_cluster(cfg: JobConfig) -> None:
@@ -367,6 +336,11 @@ def _validate_cluster(cfg: JobConfig) -> None:
                           "must be -1 (off), 0 (any free port) or a port")
     if ctl.max_restarts < 0:
         raise ConfigError(f"control.max_restarts={ctl.max_restarts}: must be >= 0")
+    if ctl.straggler_evict_after < 1:
+        raise ConfigError(f"control.straggler_evict_after={ctl.straggler_evict_after}: must be at least 1 step")
+    if not 0.5 <= ctl.straggler_evict_confidence < 1:
+        raise ConfigError(f"control.straggler_evict_confidence={ctl.straggler_evict_confidence}: "
+                          f"must be in [0.5, 1)")
     if ctl.evict_stragglers and not ctl.auto_recover:
         raise ConfigError("control.evict_stragglers: needs control.auto_recover (a straggler's node is replaced "
                           "by eviction; without it the job would restart onto the same slow node)")
@@ -374,7 +348,11 @@ def _validate_cluster(cfg: JobConfig) -> None:
 
 
 def from_dict(raw: Any) -> JobConfig:
-    return validate(_build(JobConfig, raw, ""))
+    try:
+        cfg = typed.read(JobConfig, raw, _YAML)
+    except typed.Invalid as e:
+        raise ConfigError(e.describe("config")) from None
+    return validate(cfg)
 
 
 def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> JobConfig:

@@ -9,47 +9,75 @@ from megascale.config import ConfigError, JobConfig
 
 
 def preflight(cfg: JobConfig) -> JobConfig:
-    """`cfg` with data.path absolute, once its inputs exist and its checkpoint.uri is fit for a fresh
-    start; ConfigError naming the field otherwise."""
-    from megascale.checkpoint import CheckpointError, check_fresh_start
+    """`cfg` with data.path (and a data.tokenizer path) absolute, once its inputs exist and its
+    checkpoint.uri is fit for a fresh start (or, resuming, holds a checkpoint of this model, which
+    restores onto any parallelism); ConfigError naming the field otherwise."""
+    from megascale.checkpoint import CheckpointError, check_checkpoint_uri
 
     if cfg.data.source != "synthetic" and cfg.data.path:
-        path = Path(cfg.data.path).expanduser()
-        if not path.exists():
-            where = "" if path.is_absolute() else f" (relative paths are from the current directory, {Path.cwd()})"
-            raise ConfigError(f"data.path={cfg.data.path}: not found{where}")
-        _check_inputs(cfg, path)
+        _check_inputs(cfg, _existing("data.path", cfg.data.path))
     try:
-        check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
+        check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem,
+                             model=cfg.to_dict()["model"])
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    if cfg.checkpoint.init_from:
+        from megascale.interop import checked_init_from
+
+        cfg = checked_init_from(cfg)
     return absolute_data_path(cfg)
 
 
 def absolute_data_path(cfg: JobConfig) -> JobConfig:
-    """`cfg` with a relative data.path made absolute from here: ranks and executors may run elsewhere."""
+    """`cfg` with a relative data.path and data.tokenizer path made absolute from here: ranks and
+    executors may run elsewhere."""
+    from megascale.data.tokenizer import NAMES
+
     if cfg.data.source == "synthetic" or not cfg.data.path:
         return cfg
+    tokenizer = cfg.data.tokenizer
+    if tokenizer not in NAMES:
+        tokenizer = str(Path(tokenizer).expanduser().resolve())
     path = str(Path(cfg.data.path).expanduser().resolve())
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path, tokenizer=tokenizer))
+
+
+def _existing(field: str, value: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (relative paths are from the current directory, {Path.cwd()})"
+        raise ConfigError(f"{field}={value}: not found{where}")
+    return path
 
 
 def _check_inputs(cfg: JobConfig, path: Path) -> None:
     """What the ranks would otherwise find out one by one: no text to prepare, no prepared dataset,
-    or more token ids than the model has embeddings for."""
+    a tokenizer that is not one, or more token ids than the model has embeddings for."""
     from megascale.data import DataError
-    from megascale.data.dataset import Dataset
+    from megascale.data.dataset import Dataset, sha256_bytes
     from megascale.data.prepare import list_inputs
-    from megascale.data.tokenizer import BYTE_VOCAB
+    from megascale.data.tokenizer import BYTE_VOCAB, NAMES, load_pretrained
 
+    data = cfg.data
     try:
-        if cfg.data.source == "text":
+        if data.source == "text":
             list_inputs([path])
-            vocab = BYTE_VOCAB if cfg.data.tokenizer == "byte" else None  # a BPE is trained to model.vocab
+            vocab = BYTE_VOCAB if data.tokenizer == "byte" else None  # a BPE is trained to model.vocab
         else:
-            vocab = Dataset(path).vocab_size
+            dataset = Dataset(path)
+            vocab = dataset.vocab_size
     except DataError as e:
-        raise ConfigError(f"data.path={cfg.data.path}: {e}") from None
+        raise ConfigError(f"data.path={data.path}: {e}") from None
+    of = f"data.path={data.path} (data.tokenizer={data.tokenizer})"
+    if data.tokenizer not in NAMES:
+        try:
+            tok = load_pretrained(_existing("data.tokenizer", data.tokenizer))
+        except DataError as e:
+            raise ConfigError(f"data.tokenizer={data.tokenizer}: {e}") from None
+        if data.source == "text":
+            vocab, of = tok.vocab_size, f"data.tokenizer={data.tokenizer}"
+        elif dataset.manifest["tokenizer"].get("sha256") != sha256_bytes(tok.file_bytes):
+            raise ConfigError(f"data.tokenizer={data.tokenizer}: not the tokenizer data.path={data.path} was "
+                              "prepared with (its manifest.json records another)")
     if vocab is not None and vocab > cfg.model.vocab:
-        raise ConfigError(f"model.vocab={cfg.model.vocab} is below the {vocab} token ids of data.path={cfg.data.path} "
-                          f"(data.tokenizer={cfg.data.tokenizer})")
+        raise ConfigError(f"model.vocab={cfg.model.vocab} is below the {vocab} token ids of {of}")

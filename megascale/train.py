@@ -17,7 +17,7 @@ from megascale.config import JobConfig
 from megascale.model.gpt import GPT
 from megascale.parallel.comm import all_reduce
 from megascale.parallel.parallelize import compute_dtype, parallelize
-from megascale.parallel.pipeline import run_schedule
+from megascale.parallel.pipeline import document_ids_on_every_stage, run_schedule
 from megascale.parallel.topology import Layout, ParallelContext
 from megascale.synthetic import SyntheticSource
 from megascale.timers import StepTimings
@@ -26,6 +26,9 @@ log = logging.getLogger("megascale.train")
 
 
 class BatchSource(Protocol):
+    """(input_ids, labels) per step. A source of documents (data.document_mask) also has `next_sample()`,
+    whose `document_ids` say which document each input token belongs to."""
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
@@ -99,16 +102,27 @@ class Trainer:
         total = all_reduce(counts.sum().reshape(1), self.ctx.dp).item()
         return (counts / max(total, 1.0)).tolist()
 
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(input_ids, labels, document ids on this rank's device, or None without data.document_mask)."""
+        if not self.cfg.data.document_mask:
+            return (*self.source.next_batch(), None)
+        batch = self.source.next_sample()
+        rows = self.cfg.microbatches * self.cfg.batch.micro
+        shared = document_ids_on_every_stage(batch.document_ids, self.ctx, (rows, self.cfg.model.seq))
+        return batch.input_ids, batch.labels, shared
+
     def step(self) -> StepStats:
         started, wall = time.perf_counter(), time.time()
         cfg, ctx, timer = self.cfg, self.ctx, self.ctx.timer
         microbatches = cfg.microbatches
         with timer.span("data"):
-            input_ids, labels = self.source.next_batch()
+            input_ids, labels, document_ids = self._next_batch()
             inputs, targets = (_microbatches(t, microbatches, ctx.device) for t in (input_ids, labels))
+            documents = None if document_ids is None else list(document_ids.chunk(microbatches))
         self.optimizer.begin_step(microbatches)
         loss = run_schedule(self.chunks, ctx, inputs, targets, self._loss_weights(targets),
-                            self.activation_shape, self.dtype, overlap=cfg.parallelism.overlap.pp)
+                            self.activation_shape, self.dtype, overlap=cfg.parallelism.overlap.pp,
+                            document_ids=documents)
         lr = learning_rate(cfg, self.step_index)
         with timer.span("optimizer"):
             grad_norm = self.optimizer.step(lr)
@@ -133,6 +147,21 @@ class Trainer:
         gc.unfreeze()
         gc.enable()
 
+    def state_dict(self) -> dict:
+        """The training progress a checkpoint carries (the optimizer and data source are parts of their own)."""
+        return {"step": self.step_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_index = int(state["step"])
+
+
+def checkpoint_parts(trainer: Trainer) -> dict:
+    """What a checkpoint holds of a rank's training, by part name."""
+    from megascale.checkpoint import RngState
+
+    return {"train": trainer, "optimizer": trainer.optimizer, "data": trainer.source,
+            "rng": RngState(trainer.ctx.device)}
+
 
 def layout_of(cfg: JobConfig) -> Layout:
     p = cfg.parallelism
@@ -148,7 +177,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     reporting rank appends metrics.jsonl and calls `on_step(stats)`. `on_start(step)` learns the
     step training starts from (a restored checkpoint's, else 0); `on_wait(what)` what training is
     blocked on outside a step (a checkpoint persisting), then `on_wait(None)`."""
-    from megascale.checkpoint import Checkpointer  # imports this module
+    from megascale.checkpoint import Checkpointer
 
     log_file = logging.FileHandler(Path(run_dir) / f"rank-{ctx.rank}.log")
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -157,14 +186,19 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
     trainer = Trainer(cfg, ctx)
     ckpt = cfg.checkpoint
-    checkpointer = Checkpointer(cfg, ctx, trainer.optimizer) if ckpt.every or ckpt.resume else None
+    checkpointer = Checkpointer(cfg, ctx, checkpoint_parts(trainer)) if ckpt.every or ckpt.resume else None
+    restored = None
     if checkpointer:
         if on_wait is not None:
             checkpointer.on_wait = on_wait
         if ckpt.resume:
-            checkpointer.restore(trainer)
+            restored = checkpointer.restore()
         if ckpt.every:
             checkpointer.prepare()  # allocate the host buffer now, not in the first save
+    if restored is None and ckpt.init_from:  # a fresh start from pretrained weights
+        from megascale.interop import hf_dir_of, load_hf_weights
+
+        load_hf_weights(trainer.optimizer, ctx, cfg.model, hf_dir_of(ckpt.init_from))
     if on_start is not None:
         on_start(trainer.step_index)
     reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
@@ -186,7 +220,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                 if on_step is not None:
                     on_step(stats)
             if checkpointer:
-                checkpointer.after_step(trainer)
+                checkpointer.after_step(trainer.step_index)
         if checkpointer:
             checkpointer.flush()  # the last checkpoint commits before the job reports success
         trainer.finish()

@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
+from megascale.driver import sim_rank
 from megascale.driver.services import EmbeddedKafka
 
 from megascale.rendezvous.embedded import EmbeddedRedis
 
-FAKE_RANK = str(Path(__file__).parent / "driver" / "fake_rank.py")
 TAG = "MEGASCALE_TEST_TAG"
 
 
@@ -49,10 +48,10 @@ def no_process_left(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
-    """Own MEGASCALE_HOME, fake ranks by default, and no process left behind."""
+    """Own MEGASCALE_HOME, stand-in ranks (driver/sim_rank.py) by default, and no process left behind."""
     monkeypatch.setenv("MEGASCALE_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", FAKE_RANK)
-    monkeypatch.setenv("FAKE_STEP_S", "0.2")
+    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", sim_rank.__file__)
+    monkeypatch.setenv("SIM_STEP_S", "0.2")
     with no_process_left(monkeypatch):
         yield tmp_path
 

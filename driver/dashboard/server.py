@@ -1,7 +1,7 @@
 """`megascale dashboard`: one static page (index.html, inline JS drawing SVG) and its JSON, on 127.0.0.1.
 
-    /                  the page, with the current data inlined (it renders without a request)
-    /api/data          ?value=total|compute|<segment> &from=A &to=B &step=S &window=N
+    /                  the page, with the data of the same query inlined (it renders without a request)
+    /api/data          ?value=total|compute|slowdown|<segment> &from=A &to=B &step=S &window=N
     /api/trace         ?steps=A:B  a Chrome/Perfetto trace JSON of those steps
     /metrics           Prometheus exposition of the newest step of every rank
 """
@@ -75,9 +75,9 @@ class Dashboard:
                               window=number("window") or self.window, first=number("from"), last=number("to"),
                               step=number("step"))
 
-    def page(self) -> bytes:
+    def page(self, query: dict[str, str]) -> bytes:
         # Inlined so the first render needs no request; "</" is escaped so the JSON cannot end the script.
-        payload = json.dumps(self.data({})).replace("</", "<\\/")
+        payload = json.dumps(self.data(query)).replace("</", "<\\/")
         return PAGE.read_text().replace(_DATA_SLOT, payload).encode()
 
     def trace(self, steps: str) -> dict:
@@ -88,7 +88,7 @@ class Dashboard:
     def metrics(self) -> str:
         with self._lock:
             span = self.source.step_range()
-            records = self.source.read(max(span[0], span[1] - 9), span[1]) if span else []
+            records = self.source.read(max(span[0], span[1] - data.HISTORY_STEPS), span[1]) if span else []
             status = self.status()
         newest: dict[int, dict] = {}
         for r in records:
@@ -106,7 +106,7 @@ class Dashboard:
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 try:
                     if url.path in ("/", "/index.html"):
-                        self._reply(200, "text/html; charset=utf-8", dashboard.page())
+                        self._reply(200, "text/html; charset=utf-8", dashboard.page(query))
                     elif url.path == "/api/data":
                         self._reply(200, "application/json", json.dumps(dashboard.data(query)).encode())
                     elif url.path == "/api/trace":

@@ -7,14 +7,13 @@ CEL rules for what one field cannot say alone (the world size, TP groups inside 
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
-import typing
-from typing import Any, Literal, Union
+from typing import Any
 
 import yaml
 from megascale.driver.state import JobState
 
+from megascale.common import typed
 from megascale.config import JobConfig
 
 from .spec import DEVICE_RESOURCE, GROUP, KIND, PLURAL, POLICY, SPEC_OWNED, VERSION
@@ -57,34 +56,28 @@ def _str(description: str = "", **extra: Any) -> dict:
 
 # -- the inline job config, from the dataclasses -----------------------------------------------------
 
-def config_schema(cls: type = JobConfig, where: str = "") -> dict:
-    hints = typing.get_type_hints(cls)
-    properties = {}
-    for f in dataclasses.fields(cls):
-        name = f.name.rstrip("_")  # config.py's convention: `global_` is `global` in YAML
-        path = f"{where}.{name}" if where else name
-        if path not in SPEC_OWNED_CONFIG:
-            properties[name] = _type_schema(hints[f.name], path)
-    return {"type": "object", "properties": properties}
+def config_schema() -> dict:
+    """What the reader of job configs accepts (`typed.schema`), less the fields the spec owns."""
+    schema = _structural(typed.schema(JobConfig))
+    for path in sorted(SPEC_OWNED_CONFIG):
+        *sections, name = path.split(".")
+        node = schema
+        for section in sections:
+            node = node["properties"][section]
+        del node["properties"][name]  # a KeyError here: SPEC_OWNED names a field the config no longer has
+    return schema
 
 
-def _type_schema(hint: Any, path: str) -> dict:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return config_schema(hint, path)
-    if origin is Union:  # Optional[X]
-        return {**_type_schema(next(a for a in args if a is not type(None)), path), "nullable": True}
-    if origin is Literal:
-        return {"type": "string", "enum": list(args)}
-    if origin is dict:  # comm.env: names to strings (numbers accepted, as in YAML)
-        return {"type": "object", "additionalProperties": {"anyOf": [{"type": "integer"}, {"type": "string"}],
-                                                           "x-kubernetes-int-or-string": True}}
-    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
-    if hint in simple:
-        return {"type": simple[hint]}
-    if hint is tuple:  # optimizer.betas
-        return {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}
-    raise TypeError(f"{path}: no schema for config type {hint}")  # a new config type: teach this function
+# Kubernetes takes `anyOf` of types only as int-or-string: text values (comm.env) that the reader also
+# takes as numbers or booleans are admitted as strings and integers.
+_TEXT = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}
+_INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+
+
+def _structural(node: Any) -> Any:
+    if node == _TEXT:
+        return _INT_OR_STRING
+    return {key: _structural(value) for key, value in node.items()} if isinstance(node, dict) else node
 
 
 # -- the resource ------------------------------------------------------------------------------

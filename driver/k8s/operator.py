@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megascale.checkpoint.storage import CheckpointError, StorageUnreadable, check_fresh_start
+from megascale.checkpoint.storage import CheckpointError, StorageUnreadable, check_checkpoint_uri
 from megascale.config import JobConfig, from_dict
 
 from .. import log
@@ -232,7 +232,7 @@ class Operator:
         """As `megascale launch` does: a new job does not restart into another run's checkpoints. Storage
         this pod cannot list (only the executors hold its credentials or volume) is the user's to vouch for."""
         try:
-            check_fresh_start(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
+            check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
         except StorageUnreadable as e:
             log.warning("job %s: not checked for an earlier run's checkpoints: %s", job, e)
 

@@ -1,33 +1,40 @@
-"""Straggler detection: which rank is persistently slower than the peers doing the same work.
+"""Straggler detection: which rank, or which pipeline stage, is persistently slower than it should be.
 
-Every rank of a pipeline stage does the same work (TP shards and DP replicas are equal), so at
-each step each rank's segment time is compared with the other ranks of its stage by robust
-statistics, the peers' median and MAD. A rank is slow at a step when
+Every figure is compared only with work of the same kind:
 
-    value >= min_ratio * median  and  value - median >= min_excess_s  and
-    (value - median) / max(1.4826 * MAD, mad_floor * median) >= min_z
+  a rank   with the other ranks of its pipeline stage (TP shards and DP replicas do equal work): at each
+           step x = log(value / the stage peers' median). Its usual x, learned from its own recent
+           history and counted within +-10% (`bias_cap`), absorbs a small constant difference (the rank
+           that logs); a rank slow from its first step still shows by what exceeds that.
+  a stage  with its own recent history, never with another stage's time (stages differ in work:
+           embedding, loss head, uneven layers): at each step y = log(stage median / the other stages'
+           median), against its usual y. Dividing by the other stages at the same step cancels what slows
+           the whole job at once (a busy host, a checkpoint); the usual y is its share of the work.
 
-and it is reported only when slow in at least `k` of its last `n` steps (one noisy step, a
-GC pause or a descheduled thread, is not a straggler). The whole stage, not only the TP or DP
-group, is the reference because a group of two gives a median of one noisy peer.
+A series is judged over windows of its last 4, 8 and 16 judged steps: the window's trimmed mean minus
+the usual value, over the standard error such a mean has (the per-step noise of x measured on this
+job now, over sqrt(window)), is a z-score; its one-sided normal probability is the finding's
+`confidence`. A big slowdown shows within 4 steps, a small one within 16, and a noisy host (many
+ranks on few cores) raises the evidence needed by itself. A finding needs z >= `report_z`, a
+slowdown of at least `min_ratio`, and an excess of at least `min_excess_s` and `min_share` of the
+step; it stays while some window keeps z >= `keep_z` (no flicker at the threshold). The first
+`warmup_steps` steps of each incarnation (allocator and cache warm-up, a restore) are not judged,
+and a stage is judged only once `min_history` steps have taught it its usual share.
 
-Where it shows (the finding's `dimension`):
-  tp  slower than its own TP peers too: one device (GPU, its PCIe link) on that node;
-  dp  level with its TP peers, all slower than the stage's other DP replicas: the TP group,
-      typically one node, is slow;
-  pp  level with its whole stage, and the stage slower than the others in its PP group. Stages
-      differ in work (embedding, loss head), so this needs the looser `pp_min_ratio`.
+Where it shows (`dimension`):
+  tp  slower than its own TP peers too: one device (a GPU, its link) on that node;
+  dp  level with its TP peers, all slower than the stage's other DP replicas: its TP group (a node);
+  pp  a whole stage slower than its own usual pace against the other stages: the nodes of that stage.
 
-Segments: `compute` is the step minus the time spent waiting on peers
-(total - exposed_tp - exposed_pp - exposed_dp). The timers nest TP waits inside forward and
-backward and DP waits inside optimizer, so a straggler's peers inflate those segments as much
-as the straggler does; `compute` is the one figure waiting does not inflate. `data` (the
-batch load) contains no communication and is compared as it is.
+Segments: `compute` is the step minus the time spent waiting on peers (total - exposed_tp -
+exposed_pp - exposed_dp); a straggler's peers wait for it, so waiting-inclusive segments would
+inflate theirs too. `data` (the batch load) holds no communication and is compared as it is.
 """
 from __future__ import annotations
 
+import math
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -35,41 +42,63 @@ from megascale.common.messages import Event
 
 DIMENSIONS = ("tp", "dp", "pp")  # narrowest first
 DEFAULT_SEGMENTS = ("compute", "data")
-_EXACT_PEERS = 16  # larger sets use the median including the rank itself (cheaper, the same answer)
+_EXACT_PEERS = 16  # larger groups use the median including the rank itself (cheaper, the same answer)
+_MEAN_SE = 1.15  # a small sample's 20%-trimmed mean has a standard error of ~1.15 sigma / sqrt(n)
+_MEDIAN_SE = 1.25  # a median's: 1.25 sigma / sqrt(n)
+_MAD_SIGMA = 1.4826  # MAD to the standard deviation of a normal
+_STALE_STEPS = 32  # a step this far behind the newest is judged with the ranks it has (a node went quiet)
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    min_ratio: float = 1.2  # slower than 1.2x the peers' median
-    pp_min_ratio: float = 1.5  # across pipeline stages, whose work differs
-    min_excess_s: float = 0.005  # and by at least 5 ms a step: timer noise on tiny segments is not a straggler
-    min_z: float = 3.5  # and well outside the peers' spread
-    mad_floor: float = 0.05  # the spread is at least 5% of the median (identical peers have MAD 0)
-    k: int = 3  # slow in at least k ...
-    n: int = 5  # ... of the rank's last n steps
+    min_excess_s: float = 0.005  # by at least 5 ms a step: timer noise on tiny segments is not a straggler
+    min_share: float = 0.05  # and by at least 5% of the step: a 6 ms stall in a 1 s step costs nothing
+    report_z: float = 4.0  # evidence to report (confidence 0.99997)
+    keep_z: float = 2.0  # a reported finding clears below this
+    # (judged steps, the slowdown it takes over that many): the shorter the evidence, the bigger the
+    # slowdown it must show, so a burst of host noise on one rank for a few steps is not a straggler.
+    windows: tuple[tuple[int, float], ...] = ((4, 2.0), (8, 1.6), (16, 1.3), (32, 1.15))
+    pp_windows: tuple[tuple[int, float], ...] = ((8, 1.6), (16, 1.4), (32, 1.3))  # a stage's, against its usual pace
+    warmup_steps: int = 5  # of each incarnation, not judged
+    history: int = 32  # judged steps a usual value is learned from
+    min_history: int = 16  # learned steps before a stage is judged against its usual share
+    bias_cap: float = 1.1  # a rank's usual ratio to its stage peers counts within 1/1.1 .. 1.1
+    noise_floor: float = 0.02  # per-step noise is taken as at least 2% (identical peers have none)
+    trim: float = 0.2  # of each end of a window, dropped before the mean: one hiccup is not evidence
 
 
 @dataclass
 class Finding:
-    rank: int
+    rank: int  # the rank; for a stage (pp), its first rank
     node: int  # rank // ranks_per_node
     node_name: str
     segment: str
-    dimension: str  # where it shows: tp (a device), dp (its TP group, a node), pp (its stage)
-    slowdown: float  # median over the slow steps of value / peers' median (its stage; its PP group for pp)
-    excess_s: float  # median seconds a step above the peers' median
-    steps_observed: int  # slow steps among the last `steps_window`
-    steps_window: int
-    first_step: int  # first and last slow step in the window
-    last_step: int
+    dimension: str  # where it shows: tp (a device), dp (its TP group), pp (its stage)
+    slowdown: float  # over what is usual for it (its stage peers; for pp its own pace against the other stages)
+    excess_s: float  # seconds a step above that, over the evidence window
+    confidence: float  # one-sided normal probability of the evidence's z-score
+    window: list[int]  # [first, last] step of the evidence
+    values: list[float]  # its value at each step of the window (a stage: its ranks' median)
+    peers_median: list[float]  # its stage peers' median at each step (a stage: the other stages')
+    usual: float  # its usual ratio to that median, learned after warm-up (1.0 until learned)
+    noise: float  # the per-step spread of log(value / peers_median) on this job now
+    since: int  # the step it was first reported
+    onset: int  # where the slowness began, as its first evidence shows it (a change point in that window)
+    last_step: int  # the newest step judged
     tp: int
     pp: int
     dp: int
-    dimensions: list[str] = field(default_factory=list)  # every dimension it was slow in at k or more steps
-    peer_wait_s: dict = field(default_factory=dict)  # how much longer its peers waited on it (exposed_<dim>)
+    ranks: list[int] = field(default_factory=list)  # the ranks it covers: one, or a stage's
+    nodes: list[int] = field(default_factory=list)  # their nodes: an eviction needs exactly one
+    cleared_at: Optional[int] = None  # the step its evidence fell below keep_z
+
+    @property
+    def steps_reported(self) -> int:
+        """Judged steps it has been reported for, this one included."""
+        return self.last_step - self.since + 1
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "steps_reported": self.steps_reported}
 
 
 def segment_value(rec: dict, segment: str) -> float:
@@ -80,186 +109,358 @@ def segment_value(rec: dict, segment: str) -> float:
     return float(seg.get(segment, 0.0))
 
 
-def _by_step(records: Iterable[dict]) -> dict[int, dict[int, dict]]:
-    steps: dict[int, dict[int, dict]] = defaultdict(dict)
-    for r in records:
-        steps[r["step"]][r["rank"]] = r  # a replayed (rank, step) keeps its last record
-    return steps
+def _median_without(values: list[float], i: int) -> Optional[float]:
+    """The median of `values` less the i-th (in large groups, of all: one member barely moves it)."""
+    if len(values) < 2:
+        return None
+    if len(values) > _EXACT_PEERS:
+        return statistics.median(values)
+    return statistics.median(values[:i] + values[i + 1:])
 
 
-def _spread(values: list[float], th: "Thresholds") -> tuple[float, float]:
-    """(median, robust spread) of a set of peers' values."""
-    median = statistics.median(values)
-    mad = statistics.median(abs(v - median) for v in values)
-    return median, max(1.4826 * mad, th.mad_floor * median, 1e-9)
+def _trimmed_mean(xs: list[float], trim: float) -> float:
+    xs = sorted(xs)
+    cut = int(trim * len(xs) + 0.5)
+    return statistics.fmean(xs[cut:len(xs) - cut] or xs)
 
 
-class _Peers:
-    """The reference a group gives each member: its peers' median and spread (leave-one-out in small
-    groups; in large ones the group's own, computed once, which a single member barely moves)."""
-
-    def __init__(self, members: list[dict], value: dict[int, float], th: "Thresholds"):
-        self.values = [value[m["rank"]] for m in members]
-        self.index = {m["rank"]: i for i, m in enumerate(members)}
-        self.th = th
-        self.whole = _spread(self.values, th) if len(members) > _EXACT_PEERS else None
-
-    def of(self, rank: int) -> Optional[tuple[float, float]]:
-        if len(self.values) < 2:
-            return None
-        if self.whole is not None:
-            return self.whole
-        i = self.index[rank]
-        return _spread(self.values[:i] + self.values[i + 1:], self.th)
+def _confidence(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2))
 
 
-def _is_slow(value: float, ref: Optional[tuple[float, float]], need: float, th: "Thresholds") -> bool:
-    if ref is None:
-        return False
-    median, spread = ref
-    return value - median >= th.min_excess_s and value >= need * median and (value - median) / spread >= th.min_z
-
-
-def _groups(ranks: dict[int, dict], value: dict[int, float], th: "Thresholds", *fixed: str) -> dict[tuple, _Peers]:
-    members: dict[tuple, list[dict]] = defaultdict(list)
-    for r in ranks.values():
-        members[tuple(r[c] for c in fixed)].append(r)
-    return {key: _Peers(group, value, th) for key, group in members.items()}
-
-
-def _compare(ranks: dict[int, dict], segment: str, th: "Thresholds"):
-    """Per rank at one step: (rank, ratio to its stage peers, dimension if slow else None, ratio, excess)."""
+def peer_ratios(ranks: dict[int, dict], segment: str) -> dict[int, tuple[float, float, Optional[float]]]:
+    """Per rank at one step: (value, its stage peers' median, its TP peers' median or None)."""
     value = {rank: segment_value(r, segment) for rank, r in ranks.items()}
-    stages, tp_groups = _groups(ranks, value, th, "pp"), _groups(ranks, value, th, "dp", "pp")
-    dp_groups, pp_groups = _groups(ranks, value, th, "tp", "pp"), _groups(ranks, value, th, "tp", "dp")
-    for rank, r in ranks.items():
-        v = value[rank]
-        stage = stages[(r["pp"],)].of(rank)
-        stage_ratio = v / stage[0] if stage and stage[0] > 0 else 1.0
-        if _is_slow(v, stage, th.min_ratio, th):
-            own_tp_slow = _is_slow(v, tp_groups[(r["dp"], r["pp"])].of(rank), th.min_ratio, th)
-            no_dp_peers = len(dp_groups[(r["tp"], r["pp"])].values) < 2
-            yield rank, stage_ratio, "tp" if own_tp_slow or no_dp_peers else "dp", stage_ratio, v - stage[0]
-            continue
-        pp = pp_groups[(r["tp"], r["dp"])].of(rank)
-        if _is_slow(v, pp, th.pp_min_ratio, th):
-            yield rank, stage_ratio, "pp", v / pp[0], v - pp[0]
-            continue
-        yield rank, stage_ratio, None, 0.0, 0.0
-
-
-def _peer_wait(ranks: dict[int, dict], rank: int) -> dict[str, float]:
-    """Per dimension: the peers' median exposed wait minus the rank's own (how long they waited on it)."""
-    fixed = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("tp", "dp")}
-    me = ranks[rank]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for rank, r in sorted(ranks.items()):
+        groups[("pp", r["pp"])].append(rank)
+        groups[("tp", r["pp"], r["dp"])].append(rank)
     out = {}
-    for dim in DIMENSIONS:
-        peers = [r for r in ranks.values() if r["rank"] != rank and all(r[c] == me[c] for c in fixed[dim])]
-        if peers:
-            key = f"exposed_{dim}"
-            out[dim] = statistics.median(p["segments"].get(key, 0.0) for p in peers) - me["segments"].get(key, 0.0)
+    for rank, r in ranks.items():
+        stage, tp = groups[("pp", r["pp"])], groups[("tp", r["pp"], r["dp"])]
+        ref = _median_without([value[k] for k in stage], stage.index(rank))
+        if ref is not None:
+            out[rank] = (value[rank], ref, _median_without([value[k] for k in tp], tp.index(rank)))
     return out
+
+
+@dataclass
+class _Point:
+    step: int
+    value: float
+    ref: float  # the peers' median (a stage: the other stages')
+    x: float  # log(value / ref)
+    x_tp: Optional[float]  # log(value / its TP peers' median), for a rank that has TP peers
+    total: float  # the step's median wall time
+    flagged: bool = False  # a finding covered this point: kept out of the usual value
+
+
+@dataclass
+class _Window:
+    """The evidence of a series' last `size` judged steps."""
+    size: int
+    usual: float  # the series' usual x, learned before the window
+    shift: float  # trimmed mean of x, less its usual x
+    se: float  # the standard error of that mean, from the per-step noise
+    excess_s: float  # mean seconds a step above its usual
+    points: list[_Point]
+    z: float = 0.0
+
+    @property
+    def slowdown(self) -> float:
+        return math.exp(self.shift)
+
+    def onset(self) -> int:
+        """The change point: the step from which the sum of x - usual - shift / 2 to the window's end is
+        largest (the points from there on run above halfway to the shift, those before it below)."""
+        total, best, at = 0.0, -math.inf, self.points[-1].step
+        for p in reversed(self.points):
+            total += p.x - self.usual - self.shift / 2
+            if total > best:
+                best, at = total, p.step
+        return at
+
+
+class _Series:
+    """One judged series: a rank against its stage peers, or a stage against the other stages."""
+
+    def __init__(self, th: Thresholds, capped: bool):
+        self.th, self.capped = th, capped
+        self.points: deque[_Point] = deque(maxlen=th.history + max(w for w, _ in th.windows + th.pp_windows))
+
+    def usual(self, before: int = 0) -> tuple[float, int]:
+        """(usual x, steps it was learned from): the median of the unflagged points before the last `before`."""
+        older = list(self.points)[:len(self.points) - before]
+        learned = [p.x for p in older if not p.flagged][-self.th.history:]
+        if not learned:
+            return 0.0, 0
+        b = statistics.median(learned)
+        if self.capped:
+            cap = math.log(self.th.bias_cap)
+            b = min(cap, max(-cap, b))
+        return b, len(learned)
+
+    def windows(self, sizes: Sequence[tuple[int, float]], sigma: float, min_history: int = 0) -> dict[int, _Window]:
+        """The evidence of each full window with `min_history` learned steps before it, by size."""
+        points = list(self.points)
+        out = {}
+        for w, _ in sizes:
+            b, learned = self.usual(before=w)
+            if len(points) < w or learned < min_history:
+                break
+            window = points[-w:]
+            shift = _trimmed_mean([p.x for p in window], self.th.trim) - b
+            se = sigma * math.sqrt(_MEAN_SE ** 2 / w + (_MEDIAN_SE ** 2 / learned if learned else 0.0))
+            excess = statistics.fmean(p.value - p.ref * math.exp(b) for p in window)
+            out[w] = _Window(w, b, shift, se, excess, window)
+        return out
+
+    def residuals(self, last: int) -> list[float]:
+        """Its last points' x around their own median: the step-to-step noise, which a slow rank's
+        shifted level leaves alone."""
+        xs = [p.x for p in list(self.points)[-last:]]
+        middle = statistics.median(xs) if xs else 0.0
+        return [x - middle for x in xs]
+
+
+def _against_each_other(evidence: Iterable[dict[int, _Window]], th: Thresholds) -> None:
+    """z of each rank's window: its shift over the larger of its standard error and the spread of all
+    ranks' shifts over the same steps. Host noise that moves many ranks at once (on a shared host whole
+    groups of ranks run slower for a few steps) widens that spread; one slow rank barely does."""
+    by_size: dict[int, list[_Window]] = defaultdict(list)
+    for windows in evidence:
+        for size, win in windows.items():
+            by_size[size].append(win)
+    for wins in by_size.values():
+        shifts = [w.shift for w in wins]
+        middle = statistics.median(shifts)
+        spread = _MAD_SIGMA * statistics.median(abs(x - middle) for x in shifts) if len(wins) >= 4 else 0.0
+        for w in wins:
+            w.z = w.shift / max(w.se, spread)
+
+
+def _noise(series: Iterable[_Series], th: Thresholds, last: int = 16) -> float:
+    """The per-step noise of x: robust, pooled over the series."""
+    pooled = [abs(r) for s in series for r in s.residuals(last)]
+    if len(pooled) < 8:
+        return math.inf  # too little seen to judge anything yet
+    return max(th.noise_floor, _MAD_SIGMA * statistics.median(pooled))
+
+
+class StragglerMonitor:
+    """Judges each step once it is complete, in order; keeps current findings and all reported so far.
+
+    Feed it one incarnation's records (a restart starts a new monitor): `update(records)` returns the
+    findings that appeared and cleared since the previous call."""
+
+    def __init__(self, ranks_per_node: int, *, segments: Sequence[str] = DEFAULT_SEGMENTS,
+                 thresholds: Thresholds = Thresholds(), node_names: Optional[Sequence[str]] = None,
+                 world_size: Optional[int] = None):
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, not {ranks_per_node}")
+        self.ranks_per_node, self.segments, self.thresholds = ranks_per_node, segments, thresholds
+        self.node_names = node_names
+        self.world_size = world_size  # ranks a complete step has; None: the most seen in one step
+        self._pending: dict[int, dict[int, dict]] = {}
+        self._recent: deque[dict[int, dict]] = deque(maxlen=thresholds.windows[0][0])
+        self._first: Optional[int] = None  # the incarnation's first step
+        self._judged = 0  # the newest step judged
+        self._series: dict[tuple, _Series] = {}
+        self.current: dict[tuple, Finding] = {}
+        self.reported: list[Finding] = []  # every finding ever reported, cleared ones with cleared_at
+
+    # -- input -----------------------------------------------------------------------------
+
+    def add(self, records: Iterable[dict]) -> None:
+        for r in records:
+            if r["step"] > self._judged:  # a record of a step already judged came too late to count
+                self._pending.setdefault(r["step"], {})[r["rank"]] = r
+                self._first = r["step"] if self._first is None else min(self._first, r["step"])
+
+    def flush(self) -> None:
+        """Judges every pending step (the end of a replay: no more records are coming)."""
+        for step in sorted(self._pending):
+            self._judge_step(step, self._pending.pop(step))
+
+    def update(self, records: Iterable[dict] = ()) -> tuple[list[Finding], list[Finding]]:
+        """(new findings, cleared findings) since the previous update."""
+        before = dict(self.current)
+        self.add(records)
+        self._judge_complete()
+        new = [f for key, f in self.current.items() if key not in before]
+        cleared = [f for key, f in before.items() if key not in self.current]
+        return new, cleared
+
+    def findings(self) -> list[Finding]:
+        return sorted(self.current.values(), key=lambda f: (-f.confidence, -f.slowdown, f.rank, f.segment))
+
+    def window(self) -> list[dict]:
+        """The newest judged steps' records (for `slowness`)."""
+        return [r for ranks in self._recent for r in ranks.values()]
+
+    def _judge_complete(self) -> None:
+        """Judges pending steps in order while the oldest is complete, or stale (its missing ranks' node
+        went quiet: the rest of the job is judged without it)."""
+        while self._pending:
+            step = min(self._pending)
+            complete = len(self._pending[step]) >= (self.world_size or max(map(len, self._pending.values())))
+            if not complete and max(self._pending) - step < _STALE_STEPS:
+                break
+            self._judge_step(step, self._pending.pop(step))
+
+    # -- judging ---------------------------------------------------------------------------
+
+    def _judge_step(self, step: int, ranks: dict[int, dict]) -> None:
+        self._judged = step
+        self._recent.append(ranks)
+        if self._first is None or step < self._first + self.thresholds.warmup_steps:
+            return
+        total = statistics.median(r["total"] for r in ranks.values())
+        th = self.thresholds
+        for segment in self.segments:
+            self._add_points(step, ranks, segment, total)
+            for kind, sizes in (("rank", th.windows), ("stage", th.pp_windows)):
+                chosen = {key: s for key, s in self._series.items()
+                          if key[:2] == (segment, kind) and s.points and s.points[-1].step == step}
+                sigma = _noise(chosen.values(), th)
+                evidence = {key: s.windows(sizes, sigma, 0 if kind == "rank" else th.min_history)
+                            for key, s in chosen.items()}
+                if kind == "rank":
+                    _against_each_other(evidence.values(), th)
+                else:
+                    for windows in evidence.values():
+                        for win in windows.values():
+                            win.z = win.shift / win.se
+                for key, series in chosen.items():
+                    self._decide(key, series, evidence[key], sigma, ranks)
+
+    def _add_points(self, step: int, ranks: dict[int, dict], segment: str, total: float) -> None:
+        th = self.thresholds
+        for rank, (value, ref, tp_ref) in peer_ratios(ranks, segment).items():
+            if value > 0 and ref > 0:
+                x_tp = math.log(value / tp_ref) if tp_ref else None
+                series = self._series.setdefault((segment, "rank", rank), _Series(th, capped=True))
+                series.points.append(_Point(step, value, ref, math.log(value / ref), x_tp, total))
+        stages: dict[int, list[float]] = defaultdict(list)
+        for r in ranks.values():
+            stages[r["pp"]].append(segment_value(r, segment))
+        medians = {p: statistics.median(v) for p, v in stages.items()}
+        for p, value in medians.items():
+            others = [m for q, m in medians.items() if q != p]
+            ref = statistics.median(others) if others else 0.0
+            if value > 0 and ref > 0:
+                series = self._series.setdefault((segment, "stage", p), _Series(th, capped=False))
+                series.points.append(_Point(step, value, ref, math.log(value / ref), None, total))
+
+    def _decide(self, key: tuple, series: _Series, windows: dict[int, _Window], sigma: float,
+                ranks: dict[int, dict]) -> None:
+        th = self.thresholds
+        segment, kind, unit = key
+        need = dict(th.windows if kind == "rank" else th.pp_windows)
+        ranked = sorted(windows.values(), key=lambda w: -w.z)
+        big = [w for w in ranked if w.slowdown >= need[w.size] and w.excess_s >= th.min_excess_s
+               and w.excess_s >= th.min_share * statistics.median(p.total for p in w.points)]
+        found = self.current.get(key)
+        if big and big[0].z >= th.report_z:
+            self._record(key, series, big[0], sigma, ranks, found)
+        elif found is not None and ranked and ranked[0].z >= th.keep_z and ranked[0].shift > 0:
+            self._record(key, series, ranked[0], sigma, ranks, found)  # fading, but not gone
+        elif found is not None:
+            found.cleared_at = series.points[-1].step
+            del self.current[key]
+        if key in self.current:
+            series.points[-1].flagged = True
+
+    def _record(self, key: tuple, series: _Series, j: _Window, sigma: float, ranks: dict[int, dict],
+                found: Optional[Finding]) -> None:
+        segment, kind, unit = key
+        if kind == "stage":
+            covered = sorted(rank for rank, r in ranks.items() if r["pp"] == unit)
+            dimension = "pp"
+        else:
+            covered, dimension = [unit], self._rank_dimension(unit, ranks, j)
+        first = ranks[covered[0]]
+        node = covered[0] // self.ranks_per_node
+        names = list(self.node_names or ())
+        step = series.points[-1].step
+        finding = Finding(
+            rank=covered[0], node=node, node_name=names[node] if node < len(names) else f"node{node}",
+            segment=segment, dimension=dimension, slowdown=round(j.slowdown, 3), excess_s=round(j.excess_s, 6),
+            confidence=round(_confidence(j.z), 6), window=[j.points[0].step, j.points[-1].step],
+            values=[round(p.value, 6) for p in j.points], peers_median=[round(p.ref, 6) for p in j.points],
+            usual=round(math.exp(j.usual), 3), noise=round(sigma, 4),
+            since=step, onset=j.onset(), last_step=step, tp=first["tp"], pp=first["pp"], dp=first["dp"],
+            ranks=covered, nodes=sorted({r // self.ranks_per_node for r in covered}))
+        if found is None:
+            self.reported.append(finding)
+            self.current[key] = finding
+        else:  # the same finding, with the newest evidence
+            vars(found).update({**vars(finding), "since": found.since, "onset": found.onset})
+
+    def _rank_dimension(self, rank: int, ranks: dict[int, dict], j: _Window) -> str:
+        """tp when at least half its slowdown shows against its own TP peers too (or its stage is one TP
+        group); dp when it is level with them (its whole TP group is slow)."""
+        me = ranks[rank]
+        stage = [r for r in ranks.values() if r["pp"] == me["pp"]]
+        tp_group = [r for r in stage if r["dp"] == me["dp"]]
+        if len(tp_group) == len(stage):
+            return "tp"
+        against_tp = [p.x_tp for p in j.points if p.x_tp is not None]
+        if not against_tp:
+            return "dp"
+        return "tp" if _trimmed_mean(against_tp, self.thresholds.trim) >= math.log(j.slowdown) / 2 else "dp"
+
+
+def replay(records: Iterable[dict], ranks_per_node: int, *, segments: Sequence[str] = DEFAULT_SEGMENTS,
+           thresholds: Thresholds = Thresholds(), node_names: Optional[Sequence[str]] = None
+           ) -> list[StragglerMonitor]:
+    """Stored records (any order) judged as the driver judges them live: one monitor per incarnation,
+    oldest first (records without an incarnation are one)."""
+    by_incarnation: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        by_incarnation[r.get("incarnation") or 0].append(r)
+    monitors = []
+    for incarnation in sorted(by_incarnation):
+        monitor = StragglerMonitor(ranks_per_node, segments=segments, thresholds=thresholds, node_names=node_names)
+        monitor.add(sorted(by_incarnation[incarnation], key=lambda r: r["step"]))
+        monitor.flush()
+        monitors.append(monitor)
+    return monitors
 
 
 def detect(records: Iterable[dict], ranks_per_node: int, *, segments: Sequence[str] = DEFAULT_SEGMENTS,
            thresholds: Thresholds = Thresholds(), node_names: Optional[Sequence[str]] = None) -> list[Finding]:
-    """Stragglers in a window of StepTimings dicts (any order; only the window's last `n` steps count)."""
-    if ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node must be at least 1, not {ranks_per_node}")
-    th, names = thresholds, list(node_names or ())
-    by_step = _by_step(records)
-    window = sorted(by_step)[-th.n:]
-    # (rank, segment) -> step -> (dimension, ratio, excess) for the steps it was slow
-    slow: dict[tuple[int, str], dict[int, tuple[str, float, float]]] = defaultdict(dict)
-    for step in window:
-        for segment in segments:
-            for rank, _, dim, ratio, excess in _compare(by_step[step], segment, th):
-                if dim is not None:
-                    slow[(rank, segment)][step] = (dim, ratio, excess)
-    present = defaultdict(int)
-    for step in window:
-        for rank in by_step[step]:
-            present[rank] += 1
-    findings = []
-    for (rank, segment), steps in slow.items():
-        if len(steps) < th.k:
-            continue
-        counts = {d: sum(dim == d for dim, _, _ in steps.values()) for d in DIMENSIONS}
-        persistent = [d for d in DIMENSIONS if counts[d] >= th.k]
-        dimension = persistent[0] if persistent else max(DIMENSIONS, key=lambda d: counts[d])
-        ratios = [(ratio, excess) for _, ratio, excess in steps.values()]
-        waits = [_peer_wait(by_step[s], rank) for s in steps]
-        rec = by_step[max(steps)][rank]
-        node = rank // ranks_per_node
-        findings.append(Finding(
-            rank=rank, node=node, node_name=names[node] if node < len(names) else f"node{node}",
-            segment=segment, dimension=dimension, slowdown=round(statistics.median(r for r, _ in ratios), 3),
-            excess_s=round(statistics.median(e for _, e in ratios), 6), steps_observed=len(steps),
-            steps_window=present[rank], first_step=min(steps), last_step=max(steps),
-            tp=rec["tp"], pp=rec["pp"], dp=rec["dp"], dimensions=persistent or [dimension],
-            peer_wait_s={d: round(statistics.median(w[d] for w in waits if d in w), 6)
-                         for d in DIMENSIONS if any(d in w for w in waits)}))
-    return sorted(findings, key=lambda f: (-f.slowdown, f.rank, f.segment))
+    """The findings standing at the end of stored records (those of their newest incarnation)."""
+    monitors = replay(records, ranks_per_node, segments=segments, thresholds=thresholds, node_names=node_names)
+    return monitors[-1].findings() if monitors else []
 
 
 def slowness(records: Iterable[dict], segment: str = "compute",
              thresholds: Thresholds = Thresholds()) -> dict[int, float]:
-    """Each rank's median (over its last `n` steps) of its value over its stage peers' median: 1.0 is normal."""
-    by_step = _by_step(records)
+    """Each rank's median, over its newest few steps, of its value over its stage peers' median: 1.0 is normal."""
+    by_step: dict[int, dict[int, dict]] = defaultdict(dict)
+    for r in records:
+        by_step[r["step"]][r["rank"]] = r
     ratios: dict[int, list[float]] = defaultdict(list)
-    for step in sorted(by_step)[-thresholds.n:]:
-        for rank, stage_ratio, _, _, _ in _compare(by_step[step], segment, thresholds):
-            ratios[rank].append(stage_ratio)
+    for step in sorted(by_step)[-thresholds.windows[0][0]:]:
+        for rank, (value, ref, _) in peer_ratios(by_step[step], segment).items():
+            ratios[rank].append(value / ref if ref > 0 else 1.0)
     return {rank: round(statistics.median(v), 3) for rank, v in sorted(ratios.items())}
 
 
 def describe(f: Finding) -> str:
     """One line for `megascale status` and the events topic."""
+    ms = f"+{f.excess_s * 1e3:.1f} ms/step"
+    evidence = f"steps {f.window[0]}-{f.window[1]}, confidence {f.confidence:.4f}"
+    if f.dimension == "pp":
+        return (f"straggler: stage pp{f.pp} (ranks {f.ranks[0]}-{f.ranks[-1]} on {f.node_name}"
+                f"{'' if len(f.nodes) == 1 else ' and others'}): {f.segment} {f.slowdown:.2f}x its usual pace "
+                f"against the other stages ({ms}; {evidence})")
     return (f"straggler: rank {f.rank} on {f.node_name} (tp{f.tp} pp{f.pp} dp{f.dp}): {f.segment} "
-            f"{f.slowdown:.2f}x its {f.dimension} peers (+{f.excess_s * 1e3:.1f} ms/step) "
-            f"in {f.steps_observed} of its last {f.steps_window} steps")
+            f"{f.slowdown:.2f}x its {f.dimension} peers ({ms}; {evidence})")
 
 
 def to_event(job: str, f: Finding, cleared: bool = False) -> Event:
     message = f"straggler cleared: rank {f.rank} on {f.node_name}" if cleared else describe(f)
     return Event(job=job, type="node", message=message, node=f.node_name,
                  detail={"straggler": f.to_dict(), "cleared": cleared})
-
-
-class StragglerMonitor:
-    """Keeps the last `n` steps of records and reports findings that appear or clear between updates."""
-
-    def __init__(self, ranks_per_node: int, *, segments: Sequence[str] = DEFAULT_SEGMENTS,
-                 thresholds: Thresholds = Thresholds(), node_names: Optional[Sequence[str]] = None):
-        self.ranks_per_node, self.segments, self.thresholds = ranks_per_node, segments, thresholds
-        self.node_names = node_names
-        self._steps: dict[int, dict[int, dict]] = {}
-        self.current: dict[tuple[int, str], Finding] = {}
-
-    def add(self, records: Iterable[dict]) -> None:
-        for r in records:
-            self._steps.setdefault(r["step"], {})[r["rank"]] = r
-        # Keep one step more than the window: the newest step may still be missing some ranks.
-        for step in sorted(self._steps)[:-(self.thresholds.n + 1)]:
-            del self._steps[step]
-
-    def window(self) -> list[dict]:
-        """The records findings are computed over: the last `n` steps, less an incomplete newest one."""
-        steps = dict(self._steps)
-        newest = max(steps, default=None)
-        if newest is not None and len(steps) > self.thresholds.n and len(steps[newest]) < max(map(len, steps.values())):
-            del steps[newest]  # an incomplete newest step would compare a partial group
-        return [r for ranks in steps.values() for r in ranks.values()]
-
-    def findings(self) -> list[Finding]:
-        return detect(self.window(), self.ranks_per_node, segments=self.segments, thresholds=self.thresholds,
-                      node_names=self.node_names)
-
-    def update(self, records: Iterable[dict] = ()) -> tuple[list[Finding], list[Finding]]:
-        """(new findings, cleared findings) since the previous update."""
-        self.add(records)
-        now = {(f.rank, f.segment): f for f in self.findings()}
-        new = [f for key, f in now.items() if key not in self.current]
-        cleared = [f for key, f in self.current.items() if key not in now]
-        self.current = now
-        return new, cleared

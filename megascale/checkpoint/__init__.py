@@ -1,5 +1,6 @@
-"""Two-phase checkpointing: host-memory snapshots on the critical path, persisted by a per-node
-keeper process, committed by a manifest; restore from host memory or one reader per DP group.
+"""Two-phase checkpointing of stateful parts (state_dict / load_state_dict): host-memory snapshots on
+the critical path, persisted by a per-node keeper process, committed by a manifest; restore from
+host memory or one reader per DP group.
 
 Exports load lazily: the keeper process imports this package and must not pay for torch.
 """
@@ -9,10 +10,13 @@ from typing import Any
 
 _EXPORTS = {
     "Checkpointer": "megascale.checkpoint.checkpointer",
+    "RngState": "megascale.checkpoint.stateful",
+    "Stateful": "megascale.checkpoint.stateful",
     "CheckpointError": "megascale.checkpoint.storage",
     "CorruptShard": "megascale.checkpoint.storage",
+    "OtherFormat": "megascale.checkpoint.storage",
     "StorageUnreadable": "megascale.checkpoint.storage",
-    "check_fresh_start": "megascale.checkpoint.storage",
+    "check_checkpoint_uri": "megascale.checkpoint.storage",
     "committed_steps": "megascale.checkpoint.storage",
     "open_storage": "megascale.checkpoint.storage",
     "shutdown_keeper": "megascale.checkpoint.client",

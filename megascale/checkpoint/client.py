@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -88,6 +88,29 @@ class KeeperLink:
             return ipc.recv(self.sock, timeout)
         except (EOFError, OSError) as e:
             raise KeeperGone(f"checkpoint keeper (pid {getattr(self, 'pid', '?')}) is gone: {e}") from None
+
+    def settled_snapshot(self, on_wait: Callable[[Optional[str]], None]) -> dict:
+        """What the keeper holds for this rank once a persist still running from before a restart has
+        ended ({} if nothing); `on_wait` learns what training waits for meanwhile, then None."""
+        if (self.snapshot or {}).get("state") != "persisting":
+            return dict(self.snapshot or {})
+        on_wait(f"checkpoint step {self.snapshot['step']} to persist")
+        waited = time.monotonic()
+        try:
+            while (self.snapshot or {}).get("state") == "persisting":
+                if time.monotonic() - waited > 30:
+                    log.warning("rank %d: waiting for the keeper to finish persisting step %d", self.rank,
+                                self.snapshot["step"])
+                    waited = time.monotonic()
+                time.sleep(0.05)
+                self.send({"op": "snapshot", "rank": self.rank})
+                reply = self.recv(timeout=None)
+                while reply[0]["op"] != "snapshot":  # nothing else is in flight before a restore
+                    reply = self.recv(timeout=None)
+                self.snapshot = reply[0]["snapshot"]
+        finally:
+            on_wait(None)
+        return dict(self.snapshot or {})
 
     def take_snapshot_fd(self) -> Optional[int]:
         fd, self.snapshot_fd = self.snapshot_fd, None

@@ -167,7 +167,7 @@ class Keeper:
 
     def _persist(self, slot: Slot, msg: dict) -> dict:
         step, offset, length = msg["step"], msg["offset"], msg["length"]
-        snapshot = {k: msg[k] for k in ("step", "key", "coords", "offset", "length")}
+        snapshot = {k: msg[k] for k in ("step", "key", "coords", "offset", "length", "version")}
         snapshot["state"] = "persisting"
         slot.snapshot = snapshot
         directory = self.storage.path(msg["dir"])

@@ -1,13 +1,10 @@
-"""Checkpoint storage through pyarrow.fs: layout, shard file format, manifest, retention.
+"""Checkpoint storage through pyarrow.fs: layout, checksummed shard I/O, manifest, retention.
 
 No torch here: the keeper process imports this module and must start fast.
 
-    <uri>/step-00000100/pp0-tp0-dp0.safetensors   one shard per (pp, tp, dp) rank
+    <uri>/step-00000100/pp0-tp0-dp0.safetensors   one shard per (pp, tp, dp) rank (shard_format.py)
     <uri>/step-00000100/...
     <uri>/step-00000100/manifest.json             written last: the commit point
-
-A shard file is a safetensors file (8-byte little-endian header length, JSON header,
-raw tensor bytes), so reading one never unpickles anything.
 """
 from __future__ import annotations
 
@@ -18,17 +15,16 @@ import os
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import pyarrow.fs as pafs
 
 from megascale.config import RUN_DIR
 
-FORMAT, VERSION = "megascale-checkpoint", 1
+# Version 2: shards hold the state dicts of named parts (version 1: a fixed set of ZeRO tensors).
+FORMAT, VERSION = "megascale-checkpoint", 2
 MANIFEST = "manifest.json"
 CHUNK = 8 << 20  # I/O and checksum granularity
-MAX_HEADER = 256 << 20
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 
 
 class CheckpointError(RuntimeError):
@@ -40,7 +36,11 @@ class StorageUnreadable(CheckpointError):
 
 
 class CorruptShard(CheckpointError):
-    """A shard whose size or checksum differs from its manifest entry."""
+    """A shard whose size or checksum differs from its manifest entry, or whose contents are malformed."""
+
+
+class OtherFormat(CheckpointError):
+    """A checkpoint written in a format version this version does not read."""
 
 
 def step_dir(step: int) -> str:
@@ -107,42 +107,7 @@ def open_storage(uri: str, factory: Optional[str] = None) -> Storage:
     return Storage(fs, root, uri)
 
 
-# ---- shard files ---------------------------------------------------------------------------
-
-
-def encode_header(tensors: list[tuple[str, str, list[int], int, int]], metadata: dict[str, str]) -> bytes:
-    """safetensors header for `(name, dtype, shape, begin, end)` entries, length prefix included."""
-    header = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
-              for name, dtype, shape, begin, end in tensors}
-    header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def decode_header(image: memoryview) -> tuple[dict, int]:
-    """(header, data start) of a safetensors image; CorruptShard on anything malformed."""
-    if len(image) < 8:
-        raise CorruptShard("shard shorter than its header length field")
-    n = int.from_bytes(image[:8], "little")
-    if n > min(MAX_HEADER, len(image) - 8):
-        raise CorruptShard(f"shard header length {n} exceeds the file")
-    try:
-        header = json.loads(bytes(image[8:8 + n]))
-    except ValueError:
-        raise CorruptShard("shard header is not valid JSON") from None
-    data = len(image) - 8 - n
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        size = DTYPE_BYTES.get(entry["dtype"], 0)
-        count = 1
-        for d in entry["shape"]:
-            count *= d
-        if not 0 <= begin <= end <= data or end - begin != count * size:
-            raise CorruptShard(f"shard tensor {name} has offsets {begin}..{end} outside its {data} data bytes")
-    return header, 8 + n
+# ---- shard I/O ----------------------------------------------------------------------------
 
 
 def checksum(chunks: Iterable[memoryview], crc: int = 0) -> int:
@@ -217,7 +182,8 @@ def read_manifest(storage: Storage, step: int) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != step:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest for step {step}")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: manifest version {manifest.get('version')}, this version reads {VERSION}")
+        raise OtherFormat(f"{path}: a checkpoint in format version {manifest.get('version')}, written by another "
+                          f"megascale version (this one reads version {VERSION})")
     return manifest
 
 
@@ -241,15 +207,62 @@ def committed_steps(storage: Storage) -> list[int]:
     return [s for s, done in list_steps(storage).items() if done]
 
 
-def check_fresh_start(uri: Optional[str], resume: bool, factory: Optional[str] = None) -> None:
-    """A job that does not resume must not start on a checkpoint.uri holding another run's
-    checkpoints: its restarts would restore those (CheckpointError, one line, naming the fix)."""
-    if not uri or resume or RUN_DIR in uri:
+# The model fields that decide the parameters' names and full shapes; what a field meant before it
+# existed (a checkpoint written by an earlier version) is its default. Everything else, parallelism
+# included, may change on resume (config.validate refuses a tp or pp*vpp that does not fit the model).
+MODEL_FIELDS = {"arch": "gpt", "layers": None, "hidden": None, "heads": None, "kv_heads": None, "ffn": None,
+                "vocab": None, "block": "serial", "tied_embeddings": False}
+
+
+def _model_field(model: dict, name: str):
+    value = model.get(name, MODEL_FIELDS[name])
+    return model.get("heads") if name == "kv_heads" and value is None else value  # None: as many as heads
+
+
+def check_compatible(manifest: dict, model: dict, parts: Sequence[str] = ()) -> None:
+    """CheckpointError (one line naming the field) if a job with `model` cannot restore `manifest`'s
+    checkpoint, or it holds no state for one of `parts`."""
+    saved, step = manifest["config"]["model"], manifest["step"]
+    for name in MODEL_FIELDS:
+        if _model_field(saved, name) != _model_field(model, name):
+            raise CheckpointError(f"checkpoint step {step} has model.{name}={_model_field(saved, name)!r}, this job "
+                                  f"has model.{name}={_model_field(model, name)!r}: a checkpoint restores onto any "
+                                  "parallelism, not onto another model")
+    missing = sorted(set(parts) - set(manifest["parts"]))
+    if missing:
+        raise CheckpointError(f"checkpoint step {step} holds no state for {missing[0]!r} "
+                              f"(it holds {', '.join(manifest['parts'])})")
+
+
+def check_checkpoint_uri(uri: Optional[str], resume: bool, factory: Optional[str] = None,
+                         model: Optional[dict] = None) -> None:
+    """Before a job starts (CheckpointError, one line, naming the fix): a fresh job's checkpoint.uri must
+    not hold another run's checkpoints (its restarts would restore those), and a resumed job's newest
+    checkpoint must be in a format this version reads and, given the job's `model` section, of that
+    model. Storage that cannot be listed from here is StorageUnreadable for a fresh job, and left to
+    the ranks for a resumed one."""
+    if not uri or RUN_DIR in uri:
         return
     try:
-        steps = committed_steps(open_storage(uri, factory))
+        storage = open_storage(uri, factory)
+        steps = committed_steps(storage)
     except OSError as e:
+        if resume:
+            return
         raise StorageUnreadable(f"checkpoint.uri={uri}: cannot list it: {e}") from None
+    if resume:
+        manifest = None
+        try:
+            if steps:
+                manifest = read_manifest(storage, steps[-1])
+        except OtherFormat as e:
+            raise OtherFormat(f"{e}: resume it with that version, or start anew with another checkpoint.uri") \
+                from None
+        except (CheckpointError, OSError):  # a damaged newest checkpoint: the ranks fall back to an older one
+            pass
+        if manifest is not None and model is not None:
+            check_compatible(manifest, model)
+        return
     if steps:
         raise CheckpointError(
             f"checkpoint.uri={uri} already holds committed checkpoints (newest step {steps[-1]}) of an earlier run: "
@@ -272,7 +285,11 @@ def apply_retention(storage: Storage, keep: int) -> list[int]:
     return removed
 
 
-def new_manifest(step: int, layout: dict, config: dict, shards: dict[str, dict]) -> dict:
+def new_manifest(step: int, layout: dict, config: dict, shards: dict[str, dict], parts: Sequence[str] = (),
+                 tensors: Optional[dict] = None) -> dict:
+    """`parts`: the names of the parts every shard holds the state of; `tensors`: each ShardedFlat's
+    parameters (full shape, TP split and the pipeline ranks holding it), so a restore can plan which
+    shards it needs before reading any."""
     return {"format": FORMAT, "version": VERSION, "step": step, "created": time.time(), "layout": layout,
             "world_size": layout["tp"] * layout["pp"] * layout["dp"], "checksum": "crc32", "shards": shards,
-            "config": config}
+            "parts": list(parts), "tensors": tensors or {}, "config": config}

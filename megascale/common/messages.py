@@ -13,6 +13,7 @@ command must not be lost (see `command_stream` / `ACKS`):
 
     megascale:{<job>}:cmd:<node>  stream, one entry per Command (field "msg"), seq rising per node
     megascale:{<job>}:acks        hash, field <node> = that node's latest Ack
+    megascale:{<job>}:slow:<node> hash, field <rank> = a SlowRank fault (`megascale chaos slow-rank`)
 
 Every message has "v" (schema version) and "kind". Readers ignore fields they do not know
 (added later in a compatible way) and drop, with a log line, anything that is not JSON, has
@@ -27,6 +28,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
+
+from megascale.common import typed
 
 SCHEMA_VERSION = 1
 
@@ -170,9 +173,21 @@ class Ack:
     kind: Literal["ack"] = "ack"
 
 
-Message = Union[Heartbeat, Metric, Timings, Event, Command, Ack]
+@dataclass
+class SlowRank:
+    """A slow-rank fault (`megascale chaos slow-rank`): the node's executor throttles `rank` by `factor`
+    until `until`. Read from Redis by the executor, not a command: a test fault is no step of the driver's."""
+    job: str
+    node: str
+    rank: int
+    factor: float
+    until: Optional[float] = None  # wall clock; None = until the job ends
+    kind: Literal["slow_rank"] = "slow_rank"
+
+
+Message = Union[Heartbeat, Metric, Timings, Event, Command, Ack, SlowRank]
 KINDS: dict[str, type] = {"heartbeat": Heartbeat, "metric": Metric, "timings": Timings, "event": Event,
-                          "command": Command, "ack": Ack}
+                          "command": Command, "ack": Ack, "slow_rank": SlowRank}
 
 
 # -- names ----------------------------------------------------------------------------------
@@ -187,6 +202,10 @@ def command_stream(job: str, node: str) -> str:
 
 def acks_key(job: str) -> str:
     return f"megascale:{{{job}}}:acks"
+
+
+def slow_ranks_key(job: str, node: str) -> str:
+    return f"megascale:{{{job}}}:slow:{node}"
 
 
 # -- encoding -------------------------------------------------------------------------------
@@ -213,121 +232,23 @@ def decode(raw: bytes | str, expect: Optional[type] = None) -> Message:
         raise MessageError(f"unknown kind {obj.get('kind')!r}")
     if expect is not None and cls is not expect:
         raise WrongKind(f"a {obj['kind']}, expected a {expect.__name__.lower()}")
-    return _build(cls, obj, obj["kind"])
-
-
-# Decoding runs for every heartbeat the driver ingests, so each class's field readers are
-# compiled once into plain functions; paths for error messages are only built on failure.
-_READERS: dict[type, Any] = {}
-
-
-class _Bad(Exception):
-    def __init__(self, path: str, problem: str):
-        self.path, self.problem = path, problem
-
-
-def _build(cls: type, obj: Any, where: str) -> Any:
     try:
-        return _reader(cls)(obj)
-    except _Bad as e:
-        raise MessageError(f"{where}{e.path}{e.problem}") from None
+        return typed.read(cls, obj)
+    except typed.Invalid as e:
+        raise MessageError(_problem(e, obj["kind"])) from None
 
 
-def _reader(cls: type) -> Any:
-    if cls not in _READERS:
-        _READERS[cls] = None  # recursion guard while the readers of nested classes are built
-        hints = typing.get_type_hints(cls)
-        fields = [(f.name, _converter(hints[f.name]), f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING) for f in dataclasses.fields(cls)]
-        required = [name for name, _, needed in fields if needed]
-        converters = [(name, convert) for name, convert, _ in fields]
-
-        def read(obj: Any) -> Any:
-            if type(obj) is not dict:
-                raise _Bad("", ": expected an object")
-            values = {}
-            for name, convert in converters:
-                if name in obj:
-                    try:
-                        values[name] = convert(obj[name])
-                    except _Bad as e:
-                        raise _Bad(f".{name}{e.path}", e.problem) from None
-            if len(values) < len(required) or not all(name in values for name in required):
-                missing = next(name for name in required if name not in values)
-                raise _Bad("", f": missing field {missing!r}")
-            return cls(**values)
-
-        _READERS[cls] = read
-    return _READERS[cls]
-
-
-def _bad(value: Any, expected: str) -> _Bad:
-    return _Bad("", f"={str(value)[:40]!r}: expected {expected}")
-
-
-def _exact(kind: type, optional: bool) -> Any:
-    """A converter accepting exactly `kind` (bool is not an int here), or None when optional."""
-    if kind is float:
-        def number(value: Any) -> Optional[float]:
-            t = type(value)
-            if t is float:
-                return value
-            if t is int:
-                return float(value)
-            if value is None and optional:
-                return None
-            raise _bad(value, "float")
-        return number
-
-    def plain(value: Any) -> Any:
-        if type(value) is kind or (value is None and optional):
-            return value
-        raise _bad(value, kind.__name__)
-    return plain
-
-
-def _converter(hint: Any) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    optional = origin is Union and type(None) in args
-    if optional:
-        hint = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in (str, int, float, bool, dict):
-        return _exact(hint, optional)
-    if dataclasses.is_dataclass(hint):
-        inner = _reader(hint) or (lambda value: _READERS[hint](value))  # type: ignore[misc]
-        return (lambda value: None if value is None else inner(value)) if optional else inner
-    if origin is Literal:
-        allowed = frozenset(args)
-
-        def choice(value: Any) -> Any:
-            if (type(value) is str and value in allowed) or (value is None and optional):
-                return value
-            raise _Bad("", f"={str(value)[:40]!r}: not one of {', '.join(map(str, args))}")
-        return choice
-    if origin is list:
-        item = _converter(args[0])
-
-        def items(value: Any) -> Optional[list]:
-            if type(value) is not list:
-                if value is None and optional:
-                    return None
-                raise _bad(value, "a list")
-            try:
-                return [item(v) for v in value]
-            except _Bad as e:
-                index = next(i for i, v in enumerate(value) if not _ok(item, v))
-                raise _Bad(f"[{index}]{e.path}", e.problem) from None
-        return items
-    raise TypeError(f"messages: no decoder for {hint}")  # a bug in this module
-
-
-def _ok(convert: Any, value: Any) -> bool:
-    try:
-        convert(value)
-        return True
-    except _Bad:
-        return False
+def _problem(e: typed.Invalid, kind: str) -> str:
+    """The reader's refusal in this schema's words, e.g. `heartbeat.ranks[0].state='zombie': not one of ...`."""
+    where = e.at(kind)
+    if e.problem == "missing":
+        return f"{where}: missing field {e.name!r}"
+    if dataclasses.is_dataclass(e.expected):
+        return f"{where}: expected an object"
+    shown = f"{where}={str(e.value)[:40]!r}"
+    if typing.get_origin(e.expected) is Literal:
+        return f"{shown}: not one of {', '.join(map(str, typing.get_args(e.expected)))}"
+    return f"{shown}: expected {'a list' if typing.get_origin(e.expected) is list else e.expected.__name__}"
 
 
 def valid_timings(rec: Any) -> bool:

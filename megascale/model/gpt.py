@@ -1,12 +1,19 @@
-"""A GPT decoder for one device: serial or parallel (PTB) blocks, full or sliding-window
-causal attention, rotary positions, optional tied embeddings.
+"""A decoder-only transformer for one device, of two families (`model.arch`):
+
+- gpt: LayerNorm and a GeLU MLP;
+- llama: RMSNorm and a SwiGLU MLP (the math of transformers' LlamaForCausalLM, or
+  MistralForCausalLM with a window).
+
+Both: rotary positions, grouped-query attention when `kv_heads` < `heads`, no linear biases,
+serial or parallel (PTB) blocks, full or sliding-window causal attention (optionally kept inside
+the documents packed into a row), optional tied embeddings.
 
 It knows nothing of parallelism. `megascale.parallel.parallelize` shards it by
 swapping modules (TorchTitan style); the seams it relies on are only names:
 `attn.qkv`, `attn.proj`, `mlp.fc`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
-and a parallel block's `fan_out` / `merge`. Built under `torch.device("meta")` it allocates
-nothing; each parameter's initial value depends only on the seed and its name (`init_value`),
-so a rank can create just the parameters, and slices, it owns.
+a parallel block's `fan_out` / `merge`, and the `sections` of a `FusedLinear`. Built under
+`torch.device("meta")` it allocates nothing; each parameter's initial value depends only on the
+seed and its name (`init_value`), so a rank can create just the parameters, and slices, it owns.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megascale.config import ModelConfig
-from megascale.kernels import LayerNorm, attention, gelu
+from megascale.kernels import DocumentMask, LayerNorm, RMSNorm, attention, gelu
 
 
 def rotary_tables(seq: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,29 +42,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class FusedLinear(nn.Linear):
+    """Projections of one input stacked in one weight (q|k|v, gate|up), computed by one GEMM.
+    `sections` are their output widths: whatever splits the weight splits each section alike."""
+
+    def __init__(self, in_features: int, sections: tuple[int, ...]):
+        super().__init__(in_features, sum(sections), bias=False)
+        self.sections = sections
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.hidden // cfg.heads
+        self.heads, self.kv_heads = cfg.heads, cfg.num_kv_heads
         self.window = cfg.window
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
+        kv_width = self.kv_heads * self.head_dim
+        self.qkv = FusedLinear(cfg.hidden, (cfg.hidden, kv_width, kv_width))
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
         cos, sin = rotary_tables(cfg.seq, self.head_dim, cfg.rotary_base)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
-        # Heads are read off the projection's width, so a TP shard just has fewer of them.
-        batch, seq, _ = qkv.shape
-        q, k, v = qkv.view(batch, seq, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        # Heads are read off the projection's width, so a TP shard (which holds the same
+        # share of q and of k/v heads) just has fewer of them.
+        batch, seq, width = qkv.shape
+        kv_width = width * self.kv_heads // (self.heads + 2 * self.kv_heads)
+        q, k, v = qkv.split([width - 2 * kv_width, kv_width, kv_width], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
-        y = attention(q, k, v, self.window).transpose(1, 2).reshape(batch, seq, -1)
+        y = attention(q, k, v, self.window, documents).transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_drop(self.proj(y))
 
 
 class MLP(nn.Module):
+    """GPT's MLP: proj(GeLU(fc(x)))."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
@@ -68,34 +91,57 @@ class MLP(nn.Module):
         return self.resid_drop(self.proj(gelu(self.fc(x))))
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP: proj(SiLU(gate(x)) * up(x)), gate and up fused in `fc`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = FusedLinear(cfg.hidden, (cfg.ffn, cfg.ffn))
+        self.proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.resid_drop(self.proj(F.silu(gate) * up))
+
+
+# What `model.arch` chooses: the norm and the MLP.
+NORM = {"gpt": LayerNorm, "llama": RMSNorm}
+FEED_FORWARD = {"gpt": MLP, "llama": SwiGLU}
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    return NORM[cfg.arch](cfg.hidden, eps=cfg.norm_eps)
+
+
 class SerialBlock(nn.Module):
     """x + Attn(LN(x)), then + MLP(LN(·))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_1, self.attn = LayerNorm(cfg.hidden), Attention(cfg)
-        self.ln_2, self.mlp = LayerNorm(cfg.hidden), MLP(cfg)
+        self.ln_1, self.attn = norm(cfg), Attention(cfg)
+        self.ln_2, self.mlp = norm(cfg), FEED_FORWARD[cfg.arch](cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), documents)
         return x + self.mlp(self.ln_2(x))
 
 
 class ParallelBlock(nn.Module):
-    """PTB: y = x + Attn(LN(x)) + MLP(LN(x)); both branches read one LayerNorm."""
+    """PTB: y = x + Attn(LN(x)) + MLP(LN(x)); both branches read one norm."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln = LayerNorm(cfg.hidden)
-        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.ln = norm(cfg)
+        self.attn, self.mlp = Attention(cfg), FEED_FORWARD[cfg.arch](cfg)
         # Identities on one device. Under TP both branches enter the TP region through
         # one `fan_out` and their partial sums are combined by one `merge`: half the
         # communication of a serial block.
         self.fan_out, self.merge = nn.Identity(), nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
         h = self.fan_out(self.ln(x))
-        return x + self.merge(self.attn(h) + self.mlp(h))
+        return x + self.merge(self.attn(h, documents) + self.mlp(h))
 
 
 class CrossEntropy(nn.Module):
@@ -114,7 +160,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         # Keyed by global layer index, so parameter names survive pipeline splits.
         self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.layers)})
-        self.ln_f = LayerNorm(cfg.hidden)
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.criterion = CrossEntropy()
         if cfg.tied_embeddings:
@@ -138,13 +184,16 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=gen) * std
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         # A pipeline stage deletes the parts it does not own (sets them to None), so
         # each part is optional: tokens or hidden states in, hidden states, logits or loss out.
+        # `document_ids` [batch, seq] (equal = same document) keep attention inside documents.
+        documents = None if document_ids is None else DocumentMask(document_ids)
         if self.wte is not None:
             x = self.drop(self.wte(x))
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, documents)
         if self.lm_head is None:
             return x
         logits = self.lm_head(self.ln_f(x))
@@ -153,7 +202,10 @@ class GPT(nn.Module):
     def num_flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward = 3x forward), attention included."""
         c = self.cfg
-        dense = 2 * (4 * c.hidden * c.hidden + 2 * c.hidden * c.ffn) * c.layers + 2 * c.hidden * c.vocab
+        kv_width = c.num_kv_heads * (c.hidden // c.heads)
+        attn_weights = 2 * c.hidden * c.hidden + 2 * c.hidden * kv_width  # q and proj; k and v
+        mlp_weights = (3 if c.arch == "llama" else 2) * c.hidden * c.ffn  # SwiGLU: gate, up, proj
+        dense = 2 * (attn_weights + mlp_weights) * c.layers + 2 * c.hidden * c.vocab
         span = min(c.window or c.seq, c.seq)
         attn = 2 * 2 * c.layers * c.hidden * span  # QK^T and AV, ~span keys per query
         return 3 * (dense + attn)

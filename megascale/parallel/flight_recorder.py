@@ -1,9 +1,9 @@
-"""Hang localisation (MegaScale §5.2): every rank records its recent collectives and
+"""The flight recorder (MegaScale §5.2): every rank records its recent collectives and
 P2P operations in a ring buffer kept in a memory-mapped file, so the executor can read
 it even while the rank is blocked in a collective or stopped (SIGSTOP, a dead GPU).
 
-`localize_hang` names the ranks the others are waiting for: ranks that never entered
-the operation a stuck peer is in, and are not themselves waiting on anyone.
+The file's format and its reader are `megascale.common.flight_format`'s; the driver's
+`megascale.driver.recovery.localization` names the rank a hang waits for from them.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from megascale.common.flight_format import HEADER, MAGIC, NO_PEER, OPS, RECORD, OpRecord
+from megascale.common.flight_format import HEADER, MAGIC, NO_PEER, OPS, RECORD
+
 
 class FlightRecorder:
     def __init__(self, path: str | Path, capacity: int = 512):
@@ -48,41 +48,3 @@ class FlightRecorder:
 
     def close(self) -> None:
         self._map.close()
-
-
-@dataclass
-class HangReport:
-    suspects: list[int]  # ranks the job is waiting for
-    waiting: dict[int, str]  # stuck rank -> what it waits in
-    reason: str
-
-
-def localize_hang(records: dict[int, list[OpRecord]], group_members: dict[str, list[int]]) -> HangReport:
-    """Names the rank(s) that never entered the operations the others are stuck in.
-
-    `group_members` maps each group name (as recorded) to its global ranks.
-    """
-    def entered(rank: int, group: str, peer: int) -> int:
-        return max((r.seq for r in records.get(rank, []) if r.group == group and r.peer == peer), default=0)
-
-    waits_for: dict[int, set[int]] = {}
-    waiting: dict[int, str] = {}
-    for rank, ops in records.items():
-        stuck = next((r for r in ops if r.ended is None), None)
-        if stuck is None:
-            continue
-        waiting[rank] = (f"{stuck.op} #{stuck.seq} on {stuck.group}"
-                         + (f" with rank {stuck.peer}" if stuck.peer >= 0 else ""))
-        if stuck.peer >= 0:  # P2P: the peer's matching operation on the same group, towards us
-            blockers = {stuck.peer} if entered(stuck.peer, stuck.group, rank) < stuck.seq else set()
-        else:
-            blockers = {m for m in group_members.get(stuck.group, []) if m != rank
-                        and entered(m, stuck.group, NO_PEER) < stuck.seq}
-        waits_for[rank] = blockers
-    # The root causes wait on nobody themselves (stopped, dead, or stuck outside communication).
-    suspects = sorted({b for blockers in waits_for.values() for b in blockers if not waits_for.get(b)})
-    if not waiting:
-        return HangReport([], {}, "no rank is inside a communication operation")
-    if not suspects:
-        return HangReport([], waiting, "every stuck rank's peers entered the operation: a network or library hang")
-    return HangReport(suspects, waiting, f"rank(s) {suspects} never entered the operation their peers wait in")

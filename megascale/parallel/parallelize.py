@@ -1,4 +1,4 @@
-"""Applies 3D parallelism to a single-device GPT: pipeline split, tensor (+sequence)
+"""Applies 3D parallelism to a single-device GPT (either arch): pipeline split, tensor (+sequence)
 parallel sharding, precision, then the ZeRO-2 optimizer over data parallel.
 
 The GPT may be built on the meta device: then a stage materialises only its own layers, and a
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from megascale.config import JobConfig
-from megascale.model.gpt import GPT, ParallelBlock
+from megascale.model.gpt import GPT, FusedLinear, ParallelBlock
 from megascale.parallel.comm import EnterTP, ExitTP
 from megascale.parallel.pipeline import split_into_chunks
 from megascale.parallel.tensor_parallel import (
@@ -32,9 +32,12 @@ Style = Callable[[nn.Module, ParallelContext, int], nn.Module]
 TP_OVERLAP_CHUNKS = 2
 
 
-def colwise(fused: int = 1, enter: bool = True) -> Style:
+def colwise(enter: bool = True) -> Style:
+    """Output features split over TP; a FusedLinear (q|k|v with GQA's fewer k/v heads, SwiGLU's
+    gate|up) section by section, so each rank computes whole heads and matching gate/up columns."""
     def apply(linear: nn.Module, ctx: ParallelContext, overlap_chunks: int) -> nn.Module:
-        weight = shard_out_features(linear.weight.detach(), ctx.tp, fused)
+        sections = linear.sections if isinstance(linear, FusedLinear) else None
+        weight = shard_out_features(linear.weight.detach(), ctx.tp, sections)
         return ColumnParallelLinear(weight, EnterTP(ctx.tp, ctx.sequence_parallel) if enter else None, overlap_chunks)
     return apply
 
@@ -56,7 +59,7 @@ def exit_tp(_: nn.Module, ctx: ParallelContext, overlap_chunks: int) -> nn.Modul
 
 # Serial block: each branch enters and exits the TP region on its own.
 SERIAL_BLOCK_PLAN: dict[str, Style] = {
-    "attn.qkv": colwise(fused=3),
+    "attn.qkv": colwise(),
     "attn.proj": rowwise(),
     "mlp.fc": colwise(),
     "mlp.proj": rowwise(),
@@ -64,7 +67,7 @@ SERIAL_BLOCK_PLAN: dict[str, Style] = {
 # PTB: one shared entry (fan_out) and one shared reduction (merge) for both branches.
 PARALLEL_BLOCK_PLAN: dict[str, Style] = {
     "fan_out": enter_tp,
-    "attn.qkv": colwise(fused=3, enter=False),
+    "attn.qkv": colwise(enter=False),
     "mlp.fc": colwise(enter=False),
     "attn.proj": rowwise(exit=False),
     "mlp.proj": rowwise(exit=False),
@@ -109,9 +112,9 @@ def apply_tp(chunk: GPT, ctx: ParallelContext, shared: dict, overlap: bool = Fal
 
 
 def mark_sequence_parallel_norms(chunk: nn.Module) -> None:
-    """Under SP each rank's LayerNorms see only its tokens: their grads are summed over TP."""
+    """Under SP each rank's norms see only its tokens: their grads are summed over TP."""
     for module in chunk.modules():
-        if isinstance(module, nn.LayerNorm) or type(module).__name__ == "FusedLayerNorm":
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__ == "FusedLayerNorm":
             for p in module.parameters():
                 p.sequence_parallel = True
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megascale.parallel.comm import InFlight
+from megascale.parallel.comm import InFlight, all_reduce
 from megascale.parallel.topology import Group, ParallelContext
 
 
@@ -117,6 +117,19 @@ class _Channel:
         self.sends.clear()
 
 
+def document_ids_on_every_stage(document_ids: torch.Tensor, ctx: ParallelContext, shape: tuple) -> torch.Tensor:
+    """The first stage's document ids `shape` [rows, seq] for this step, on every stage: middle stages read
+    no data, yet each of their attention layers needs them. An all-reduce to which only the first stage
+    contributes (a broadcast in the form the flight recorder knows), once per step."""
+    if ctx.pp.size == 1:
+        return document_ids.to(ctx.device)
+    if ctx.pp.rank == 0:
+        shared = document_ids.to(ctx.device, dtype=torch.int64).contiguous()
+    else:
+        shared = torch.zeros(shape, dtype=torch.int64, device=ctx.device)
+    return all_reduce(shared, ctx.pp)
+
+
 def run_schedule(
     chunks: list[nn.Module],
     ctx: ParallelContext,
@@ -126,11 +139,13 @@ def run_schedule(
     activation_shape: tuple,
     dtype: torch.dtype,
     overlap: bool = True,
+    document_ids: Optional[list[torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Runs forward and backward of every microbatch; returns sum_mb(weight_mb * loss_mb) on the last stage.
 
     `loss_weights[mb]` scales each microbatch's mean loss so the gradients are those of
-    the mean over every token of the global batch. With `overlap` off every send
+    the mean over every token of the global batch. `document_ids[mb]`, when given, reach every
+    chunk's attention (`data.document_mask`). With `overlap` off every send
     completes before compute continues (receives stay posted one op ahead in both modes:
     in 1F1B a blocking send to a peer that has not posted its receive would deadlock).
     """
@@ -180,8 +195,9 @@ def run_schedule(
                 x = acts_in.recv().requires_grad_()
                 post_next("F")
             is_last = stage == last_virtual
+            documents = {} if document_ids is None else {"document_ids": document_ids[op.microbatch]}
             with ctx.timer.span("forward"):
-                out = chunks[op.chunk](x, labels[op.microbatch] if is_last else None)
+                out = chunks[op.chunk](x, labels[op.microbatch] if is_last else None, **documents)
             if is_last:
                 out = out * loss_weights[op.microbatch]
                 loss_total += out.detach()

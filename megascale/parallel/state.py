@@ -17,7 +17,7 @@ def full_stage_parameters(chunks: list[nn.Module], ctx: ParallelContext) -> dict
         if getattr(p, "tensor_parallel", False) and ctx.tp.size > 1:
             shards = [torch.empty_like(p) for _ in range(ctx.tp.size)]
             dist.all_gather(shards, p.contiguous(), group=ctx.tp.pg)
-            out[name] = unshard(shards, p.tp_dim, p.tp_fused).float().cpu()
+            out[name] = unshard(shards, p.tp_dim, p.tp_sections).float().cpu()
         else:
             out[name] = p.detach().float().cpu().clone()
     return out

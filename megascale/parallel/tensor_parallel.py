@@ -6,7 +6,7 @@ model starts from exactly the weights of the 1-rank model.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,29 +18,33 @@ from megascale.parallel.topology import Group
 from megascale.parallel.tp_overlap import GatherThenLinear, LinearThenReduceScatter
 
 
-def mark_tensor_parallel(p: nn.Parameter, dim: int, fused: int = 1) -> nn.Parameter:
-    """A parameter each TP rank holds a different slice of, along `dim` (its norms sum over TP)."""
-    p.tensor_parallel, p.tp_dim, p.tp_fused = True, dim, fused
+def mark_tensor_parallel(p: nn.Parameter, dim: int, sections: Optional[Sequence[int]] = None) -> nn.Parameter:
+    """A parameter each TP rank holds a different slice of, along `dim` (its norms sum over TP).
+    `tp_sections`: the full row counts of a fused weight's sub-matrices, None for a plain one."""
+    p.tensor_parallel, p.tp_dim, p.tp_sections = True, dim, None if sections is None else tuple(sections)
     return p
 
 
-def shard_out_features(weight: torch.Tensor, group: Group, fused: int = 1) -> nn.Parameter:
-    """Rows of `weight` for this rank; `fused` sub-matrices (e.g. q, k, v) are split separately."""
-    out_features = weight.shape[0]
-    parts = weight.view(fused, out_features // fused, -1).chunk(group.size, dim=1)[group.rank]
-    return mark_tensor_parallel(nn.Parameter(parts.reshape(-1, weight.shape[1]).clone()), 0, fused)
+def shard_out_features(weight: torch.Tensor, group: Group, sections: Optional[Sequence[int]] = None
+                       ) -> nn.Parameter:
+    """Rows of `weight` for this rank. A fused weight's `sections` (row counts, e.g. of q, k, v) are
+    split separately, so each rank gets its share of every one."""
+    parts = weight.split(list(sections or [weight.shape[0]]), dim=0)
+    mine = torch.cat([part.chunk(group.size, dim=0)[group.rank] for part in parts])
+    return mark_tensor_parallel(nn.Parameter(mine), 0, sections)
 
 
 def shard_in_features(weight: torch.Tensor, group: Group) -> nn.Parameter:
     return mark_tensor_parallel(nn.Parameter(weight.chunk(group.size, dim=1)[group.rank].clone()), 1)
 
 
-def unshard(shards: list[torch.Tensor], dim: int, fused: int = 1) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], dim: int, sections: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Inverse of the shard functions: the full weight from every TP rank's slice, in rank order."""
     if dim == 1:
         return torch.cat(shards, dim=1)
-    in_features = shards[0].shape[1]
-    return torch.cat([s.view(fused, -1, in_features) for s in shards], dim=1).reshape(-1, in_features)
+    sections = sections or [sum(s.shape[0] for s in shards)]
+    per_rank = [s.split([rows // len(shards) for rows in sections], dim=0) for s in shards]
+    return torch.cat([parts[i] for i in range(len(sections)) for parts in per_rank])
 
 
 class ColumnParallelLinear(nn.Module):

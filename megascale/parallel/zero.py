@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megascale.checkpoint.stateful import ParamLayout, ShardedFlat, Split
 from megascale.config import OptimizerConfig
 from megascale.optim.update import Segments, adamw_step, lamb_step
 from megascale.parallel.comm import InFlight, all_reduce
@@ -239,12 +240,30 @@ class DistributedOptimizer:
                 if lo < hi:
                     yield i, lo - off, hi - lo, bucket.shard_start + lo - start
 
-    def load_shard_state(self, step: int, lookup) -> None:
-        """Fills this rank's shard from `lookup(name, start, length) -> {key: tensor}` (keys STATE_KEYS)."""
-        self.step_count = int(step)
-        for i, start, length, at in self.owned_pieces():
-            found = lookup(self.names[i], start, length)
-            for key in STATE_KEYS:
-                getattr(self, key)[at:at + length].copy_(found[key])
+    def state_dict(self) -> dict:
+        """The step count and this rank's ZeRO shard (master weights and moments) as pieces of named
+        parameters, so an optimizer of another DP size can restore it."""
+        pieces = [(self.names[i], start, length, at) for i, start, length, at in self.owned_pieces()]
+        params = {name: _param_layout(p, self.ctx.tp.size) for name, p in zip(self.names, self.params)}
+        return {"step": self.step_count,
+                "shard": ShardedFlat({key: getattr(self, key) for key in STATE_KEYS}, pieces, params)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Takes a shard cut as this rank's (`state_dict`'s pieces), then all-gathers the parameters."""
+        shard: ShardedFlat = state["shard"]
+        if [tuple(p) for p in shard.pieces] != [(self.names[i], *rest) for i, *rest in self.owned_pieces()]:
+            raise ValueError("the ZeRO shard to load is not cut as this rank's")
+        self.step_count = int(state["step"])
+        for key in STATE_KEYS:
+            getattr(self, key).copy_(shard.tensors[key])
         self._all_gather_params()
         self.wait_for_params()
+
+
+def _param_layout(p: nn.Parameter, tp: int) -> ParamLayout:
+    """A parameter's full shape and how TP cut it (tensor_parallel.mark_tensor_parallel)."""
+    if not getattr(p, "tensor_parallel", False):
+        return ParamLayout(tuple(p.shape))
+    shape = list(p.shape)
+    shape[p.tp_dim] *= tp
+    return ParamLayout(tuple(shape), Split(p.tp_dim, tp, p.tp_sections))

@@ -33,7 +33,7 @@ from urllib.parse import parse_qs, urlparse
 
 import redis
 import torch.distributed as dist
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 # Blocking calls are cut into slices so a silent network partition still surfaces as a socket
@@ -43,6 +43,11 @@ BLOCK_SLICE_S = 10.0
 SOCKET_TIMEOUT_S = BLOCK_SLICE_S + 10.0
 # A connection unused this long is checked for a server hang-up before the next command.
 IDLE_CHECK_S = 1.0
+# The first connection is retried 0.05 s, 0.1 s, ... then every 1 s apart until connect_timeout.
+CONNECT_BACKOFF = ExponentialBackoff(cap=1.0, base=0.025)
+# A command whose send failed never reached the server: one resend on a fresh connection is safe.
+# (A reply lost after the send is never retried: the command may have run, an add twice.)
+RESEND_ONCE = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
 
 _SET_ONE = "redis.call('DEL', k); redis.call('RPUSH', k, v); redis.call('SADD', KEYS[1], k)"
 SCRIPTS = {
@@ -126,6 +131,11 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0].rstrip(".")
 
 
+def _not_restarted(e: BaseException) -> bool:
+    """A restarted server lost the job's keys: resending cannot help."""
+    return not isinstance(e, RedisRestarted)
+
+
 class RedisStore(dist.Store):
     """`torch.distributed.Store` on Redis; pass it to `init_process_group(store=...)`.
 
@@ -190,18 +200,16 @@ class RedisStore(dist.Store):
     def _connect(self) -> None:
         limit = _seconds(self._connect_timeout if self._connect_timeout is not None else self.timeout)
         deadline = time.monotonic() + (limit or float("inf"))
-        delay = 0.05
-        while True:
-            try:
-                self._pipeline("connect", [("PING",)])
-                return
-            except RendezvousError as e:
-                if time.monotonic() + delay > deadline:
-                    raise RendezvousError(
-                        f"cannot reach Redis at {self.host}:{self.port} within {_secs(limit)} "
-                        f"({e.cause}): start Redis or fix the redis:// address") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+
+        def give_up_at_deadline(e: RendezvousError, failures: int) -> None:
+            if time.monotonic() + CONNECT_BACKOFF.compute(failures) > deadline:
+                raise RendezvousError(
+                    f"cannot reach Redis at {self.host}:{self.port} within {_secs(limit)} "
+                    f"({e.cause}): start Redis or fix the redis:// address") from None
+
+        # retries=-1: as many as the deadline allows, which give_up_at_deadline enforces.
+        Retry(CONNECT_BACKOFF, -1, supported_errors=(RendezvousError,)).call_with_retry(
+            lambda: self._pipeline("connect", [("PING",)]), give_up_at_deadline, with_failure_count=True)
 
     def _connection(self) -> redis.Connection:
         """This thread's connection; after a quiet spell, first drop it if the server hung up
@@ -225,14 +233,8 @@ class RedisStore(dist.Store):
         conn = self._connection()
         packed = [pack(commands)]  # a list: send_packed_command iterates its argument
         try:
-            try:
-                conn.send_packed_command(packed, check_health=False)
-            except RedisRestarted:
-                raise
-            except redis.ConnectionError:
-                # Nothing reached the server, so one resend on a fresh connection is safe.
-                conn.disconnect()
-                conn.send_packed_command(packed, check_health=False)
+            RESEND_ONCE.call_with_retry(lambda: conn.send_packed_command(packed, check_health=False),
+                                        lambda _: conn.disconnect(), is_retryable=_not_restarted)
             replies = []
             for _ in commands:
                 try:

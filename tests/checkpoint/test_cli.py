@@ -63,6 +63,25 @@ def test_a_fresh_job_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, ca
     assert len(list((tmp_path / "runs").glob("*/checkpoints/step-00000002/manifest.json"))) == 2
 
 
+def test_resuming_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+        "batch": {"micro": 1, "global": 2}, "checkpoint": {"uri": str(tmp_path / "ckpt"), "every": 2},
+        "train": {"steps": 2, "run_dir": str(tmp_path / "runs")}}))
+    try:
+        assert main(["train", str(config), "--quiet"]) == 0
+    finally:
+        shutdown_keeper(str(tmp_path / "ckpt"))
+    manifest = tmp_path / "ckpt" / "step-00000002" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "version": 1}))  # as an earlier version wrote
+    capsys.readouterr()
+    assert main(["train", str(config), "--quiet", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "step-00000002/manifest.json: a checkpoint in format version 1, written by another megascale" in err
+    assert "\n" not in err and "Traceback" not in err
+
+
 def test_killing_train_takes_its_ranks_and_keeper_with_it(tmp_path):
     """SIGKILL (or a scheduler's SIGTERM) of `megascale train` runs no cleanup: before, its ranks went on
     training as orphans and the keeper held their snapshots until keeper_idle_s."""

@@ -9,14 +9,18 @@ import time
 
 import pytest
 
-from megascale.checkpoint import Checkpointer, CheckpointError, committed_steps, open_storage, shutdown_keeper
+from megascale.checkpoint import (
+    Checkpointer, CheckpointError, RngState, committed_steps, open_storage, shutdown_keeper,
+)
 from megascale.parallel.topology import single_device_context
 from megascale.train import Trainer
 
 
 def start(cfg) -> tuple[Trainer, Checkpointer]:
     trainer = Trainer(cfg, single_device_context())
-    return trainer, Checkpointer(cfg, trainer.ctx, trainer.optimizer)
+    parts = {"train": trainer, "optimizer": trainer.optimizer, "data": trainer.source,
+             "rng": RngState(trainer.ctx.device)}
+    return trainer, Checkpointer(cfg, trainer.ctx, parts)
 
 
 def committed(root) -> list[int]:
@@ -29,7 +33,7 @@ def shard(root, step: int):
 
 def resumed_losses(cfg, expect_step: int, steps: int = 2) -> list[float]:
     trainer, checkpointer = start(cfg)
-    assert checkpointer.restore(trainer) == expect_step
+    assert checkpointer.restore() == expect_step
     losses = [trainer.step().loss for _ in range(steps)]
     checkpointer.close()
     return losses
@@ -42,7 +46,7 @@ def test_corrupt_and_truncated_shards_fall_back_to_older_checkpoints(ckpt_dir, m
     for _ in range(6):
         losses.append(trainer.step().loss)
         if trainer.step_index % 2 == 0:
-            checkpointer.save(trainer)
+            checkpointer.save(trainer.step_index)
             assert checkpointer.flush() == trainer.step_index
     checkpointer.close()
     assert committed(ckpt_dir) == [2, 4, 6]
@@ -61,7 +65,7 @@ def test_corrupt_and_truncated_shards_fall_back_to_older_checkpoints(ckpt_dir, m
     shard(ckpt_dir, 2).write_bytes(b"\0" * 64)
     trainer, checkpointer = start(cfg)
     with pytest.raises(CheckpointError, match="none of the 3 committed checkpoints could be restored"):
-        checkpointer.restore(trainer)
+        checkpointer.restore()
 
 
 def test_full_disk_reports_the_error_and_commits_nothing(ckpt_dir, make_job, fs, caplog):
@@ -72,7 +76,7 @@ def test_full_disk_reports_the_error_and_commits_nothing(ckpt_dir, make_job, fs,
     with caplog.at_level(logging.INFO, logger="megascale.checkpoint"):
         for _ in range(6):
             losses.append(trainer.step().loss)
-            checkpointer.after_step(trainer)  # saves at steps 2, 4 and 6
+            checkpointer.after_step(trainer.step_index)  # saves at steps 2, 4 and 6
             if trainer.step_index == 2:
                 assert checkpointer.flush() == 2
                 fs.set_options(ckpt_dir, full=True)
@@ -95,13 +99,13 @@ def test_persister_killed_mid_write_keeps_the_previous_checkpoint(ckpt_dir, make
     losses = []
     for _ in range(6):
         losses.append(trainer.step().loss)
-        checkpointer.after_step(trainer)
+        checkpointer.after_step(trainer.step_index)
         if trainer.step_index == 2:
-            checkpointer.save(trainer)
+            checkpointer.save(trainer.step_index)
             assert checkpointer.flush() == 2
         if trainer.step_index == 4:
             fs.set_options(ckpt_dir, delay_s=60)  # the next write hangs ...
-            checkpointer.save(trainer)
+            checkpointer.save(trainer.step_index)
             deadline = time.monotonic() + 30
             while not shard(ckpt_dir, 4).exists():  # ... once the keeper has started writing
                 assert time.monotonic() < deadline
@@ -114,7 +118,7 @@ def test_persister_killed_mid_write_keeps_the_previous_checkpoint(ckpt_dir, make
     assert committed(ckpt_dir) == [2] and not (ckpt_dir / "step-00000004" / "manifest.json").exists()
     assert resumed_losses(cfg, 2) == losses[2:4]  # the previous checkpoint is intact
     # Training went on; the next checkpoint starts a new keeper, commits, and clears the debris.
-    checkpointer.save(trainer)
+    checkpointer.save(trainer.step_index)
     assert checkpointer.flush() == 6
     assert committed(ckpt_dir) == [2, 6] and not (ckpt_dir / "step-00000004").exists()
     checkpointer.close()
@@ -131,7 +135,7 @@ def test_storage_slower_than_checkpoint_every_waits_or_skips_as_configured(ckpt_
     began = time.monotonic()
     for _ in range(cfg.train.steps):
         trainer.step()
-        checkpointer.after_step(trainer)
+        checkpointer.after_step(trainer.step_index)
     trained_s = time.monotonic() - began
     assert checkpointer.flush() == 6
     checkpointer.close()

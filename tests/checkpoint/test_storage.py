@@ -1,30 +1,74 @@
-"""The pieces without ranks: shard headers, manifests and retention, keeper messages."""
+"""The pieces without ranks: shard files, manifests and retention, keeper messages."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 
 import pytest
 
+import safetensors.torch
+import torch
+
 from megascale.checkpoint import ipc
+from megascale.checkpoint.shard_format import header_json, lay_out, pad_header, read_shard
 from megascale.checkpoint.storage import (
-    CorruptShard, apply_retention, decode_header, encode_header, list_steps, new_manifest, open_storage,
+    CorruptShard, OtherFormat, apply_retention, check_checkpoint_uri, list_steps, new_manifest, open_storage,
     read_manifest, step_dir, write_manifest,
 )
 
 
-def test_shard_header_round_trip_and_rejects_malformed_headers():
-    header = encode_header([("master", "F32", [4], 0, 16), ("rng.torch", "U8", [3], 16, 19)], {"megascale": "{}"})
-    assert len(header) % 8 == 0  # tensor data starts aligned
-    image = memoryview(header + bytes(19))
-    parsed, start = decode_header(image)
-    assert start == len(header) and parsed["master"]["data_offsets"] == [0, 16]
-    with pytest.raises(CorruptShard, match="exceeds the file"):
-        decode_header(memoryview((10**9).to_bytes(8, "little") + b"{}"))
-    with pytest.raises(CorruptShard, match="not valid JSON"):
-        decode_header(memoryview((4).to_bytes(8, "little") + b"{{{{"))
-    with pytest.raises(CorruptShard, match="outside"):
-        decode_header(memoryview(header + bytes(10)))  # data shorter than the offsets say
+def memfd(data: bytes) -> int:
+    fd = os.memfd_create("shard")
+    os.write(fd, data)
+    return fd
+
+
+def test_shards_round_trip_through_the_safetensors_library_both_ways():
+    tensors = {"optimizer.master": torch.randn(5), "rng.torch": torch.arange(3, dtype=torch.uint8),
+               "x.bf16": torch.randn(2, 3).bfloat16()}
+    meta = {"step": 7, "parts": {"train": {"step": 7}}}
+    entries = lay_out(tensors)
+    assert [e.name for e in entries] == ["optimizer.master", "x.bf16", "rng.torch"]  # widest first: aligned
+    header = pad_header(header_json(entries, meta), 4096)
+    assert len(header) == 4096 and pad_header(header_json(entries, meta), 64) is None
+    image = header + b"".join(tensors[e.name].contiguous().view(torch.uint8).numpy().tobytes() for e in entries)
+    loaded = safetensors.torch.load(image)  # the library reads what this writes ...
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], t) for k, t in tensors.items())
+    fd = memfd(image)
+    got_meta, got = read_shard(fd)
+    os.close(fd)
+    assert got_meta == meta and all(torch.equal(got[k], t) for k, t in tensors.items())
+    fd = memfd(safetensors.torch.save(tensors, {"megascale": json.dumps(meta)}))  # ... and this reads the library's
+    got_meta, got = read_shard(fd)
+    os.close(fd)
+    assert got_meta == meta and all(torch.equal(got[k], t) for k, t in tensors.items())
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"\0" * 64, "not a safetensors file"),
+    ((10**9).to_bytes(8, "little") + b"{}", "not a safetensors file"),  # a header longer than the file
+    (safetensors.torch.save({"a": torch.zeros(4)})[:-3], "not a safetensors file"),  # shorter than its offsets say
+    (safetensors.torch.save({"a": torch.zeros(4)}), "no megascale metadata"),
+    (safetensors.torch.save({"a": torch.zeros(4)}, {"megascale": "{{"}), "not valid JSON"),
+])
+def test_malformed_shards_are_refused_in_one_line(data, error):
+    fd = memfd(data)
+    with pytest.raises(CorruptShard, match=error) as raised:
+        read_shard(fd)
+    os.close(fd)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
+    storage = open_storage(str(tmp_path))
+    storage.fs.create_dir(storage.path(step_dir(4)))
+    old = {**new_manifest(4, {"tp": 1, "pp": 1, "dp": 1, "vpp": 1}, {}, {}), "version": 1}
+    write_manifest(storage, 4, old)
+    with pytest.raises(OtherFormat, match=r"format version 1, written by another megascale version"):
+        read_manifest(storage, 4)
+    with pytest.raises(OtherFormat, match=r"step-00000004.*format version 1.*start anew with another checkpoint.uri"):
+        check_checkpoint_uri(str(tmp_path), resume=True)
 
 
 def test_retention_keeps_the_newest_committed_and_drops_debris(tmp_path):

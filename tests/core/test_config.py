@@ -38,6 +38,8 @@ def test_defaults_validate_and_round_trip():
     ({"optimizer": {"name": "sgd"}}, "optimizer.name='sgd': must be one of lamb, adamw"),
     ({"model": {"layers": "four"}}, "model.layers='four': must be an integer"),
     ({"model": {"layerz": 4}}, "model.layerz: unknown field"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas=[0.9]: must be a list of 2 numbers"),
+    ({"comm": {"env": {"NCCL_DEBUG": ["INFO"]}}}, "comm.env: must be a mapping of names to strings or numbers"),
     ({"optimizer": {"lr": -1}}, "optimizer.lr=-1.0: must be > 0"),
     ({"model": {"hidden": 60, "heads": 4}}, "model.hidden/model.heads=15 must be even"),
     ({"data": {"source": "shards"}}, "data.path: required when data.source=shards"),
@@ -49,6 +51,13 @@ def test_bad_config_names_the_field(sections, message):
         from_dict(good(**sections))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_an_empty_section_has_its_defaults_and_env_numbers_are_text():
+    cfg = from_dict({"model": None, "comm": {"env": {"NCCL_IB_TIMEOUT": 22}}})
+    assert cfg.model == from_dict({}).model and cfg.comm.env == {"NCCL_IB_TIMEOUT": "22"}
+    with pytest.raises(ConfigError, match=r"^model: expected a mapping, got list$"):
+        from_dict({"model": [4]})
 
 
 def test_world_size_is_the_product_of_tp_pp_dp():

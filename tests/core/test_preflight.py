@@ -1,7 +1,9 @@
 """`megascale run / launch / train` refuse a job that cannot run before starting anything."""
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -64,3 +66,56 @@ def test_a_fresh_start_on_another_runs_checkpoints_is_a_config_error(tmp_path):
     resumed = from_dict({**JOB, "data": {"source": "synthetic"},
                          "checkpoint": {"uri": str(tmp_path / "ckpt"), "resume": True}})
     assert preflight(resumed) == resumed
+
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "corpus" / "tokenizer.json"
+
+
+def test_a_relative_tokenizer_path_is_checked_and_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "docs.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "tok").mkdir()
+    shutil.copy(SHIPPED_TOKENIZER, tmp_path / "tok" / "tokenizer.json")
+    job = {**JOB, "model": {**JOB["model"], "vocab": 512}}
+    for given in ("tok", "tok/tokenizer.json"):
+        cfg = preflight(from_dict({**job, "data": {**job["data"], "tokenizer": given}}))
+        assert cfg.data.tokenizer == str(tmp_path.resolve() / given)
+    byte = preflight(from_dict(job))
+    assert byte.data.tokenizer == "byte"
+
+
+@pytest.mark.parametrize("tokenizer, vocab, message", [
+    ("tok.json", 512, r"data.tokenizer=tok.json: not found \(relative paths are from the current directory, "),
+    ("bad.json", 512, r"data.tokenizer=bad.json: .*bad.json: not a tokenizer file"),
+    ("empty", 512, r"data.tokenizer=empty: .*empty: holds neither tokenizer.json nor GPT-2 vocab.json \+ merges.txt"),
+    ("tok/tokenizer.json", 320, r"^model.vocab=320 is below the 512 token ids of data.tokenizer=tok/tokenizer.json$"),
+])
+def test_a_tokenizer_the_ranks_could_not_use_is_refused_in_one_line(tmp_path, monkeypatch, tokenizer, vocab, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "docs.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "tok").mkdir()
+    shutil.copy(SHIPPED_TOKENIZER, tmp_path / "tok" / "tokenizer.json")
+    cfg = from_dict({**JOB, "model": {**JOB["model"], "vocab": vocab}, "data": {**JOB["data"], "tokenizer": tokenizer}})
+    with pytest.raises(ConfigError, match=message) as e:
+        preflight(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_shards_with_a_tokenizer_path_must_have_been_prepared_with_it(tmp_path):
+    from megascale.data.prepare import prepare
+
+    (tmp_path / "docs.txt").write_text("hello world")
+    prepare([tmp_path / "docs.txt"], tmp_path / "ds", tokenizer=str(SHIPPED_TOKENIZER))
+    job = {**JOB, "model": {**JOB["model"], "vocab": 512},
+           "data": {"source": "shards", "path": str(tmp_path / "ds"), "tokenizer": str(SHIPPED_TOKENIZER)}}
+    assert preflight(from_dict(job)).data.tokenizer == str(SHIPPED_TOKENIZER)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer.json").write_text(SHIPPED_TOKENIZER.read_text().replace('"fuse_unk": false',
+                                                                                              '"fuse_unk": true'))
+    with pytest.raises(ConfigError, match=r"^data.tokenizer=.*other: not the tokenizer data.path=.*ds was prepared "
+                                          r"with \(its manifest.json records another\)$"):
+        preflight(from_dict({**job, "data": {**job["data"], "tokenizer": str(tmp_path / "other")}}))

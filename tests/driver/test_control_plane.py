@@ -1,6 +1,6 @@
 """`megascale run` / `launch` end to end: real Redis, real tansu, real driver/executor/rank processes.
 
-All but the last use stand-in ranks (tests/driver/fake_rank.py: steps on a timer, no torch),
+All but the last use stand-in ranks (driver/sim_rank.py: steps on a timer, no torch),
 so they test the control plane in seconds; the last trains the real GPT across two nodes.
 """
 from __future__ import annotations
@@ -15,79 +15,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 from kafka import KafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 from megascale.driver.metrics.store import ParquetStore
 from megascale.common.processes import pid_alive
-from megascale.driver.services import JobHandle, port_open
-from megascale.driver.state import JobState, JobStore, status_view
-
-from megascale.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
+from megascale.driver.services import JobHandle
+from megascale.driver.state import JobState, Phase
 
 
-def job_yaml(tmp_path: Path, name: str, steps: int, **control) -> str:
-    config = {
-        "name": name,
-        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
-        "parallelism": {"dp": 4}, "batch": {"micro": 1, "global": 4},
-        "cluster": {"nodes": 2, "spares": 1},
-        "control": {"heartbeat_s": 0.5, "dead_after_s": 8, "start_timeout_s": 90, "command_timeout_s": 30, **control},
-        "train": {"steps": steps, "run_dir": str(tmp_path / "runs")},
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
-class Job:
-    """A launched job, seen the way a second shell sees it: through its state file and Redis."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.handle = JobHandle.load(name)
-        self.store = JobStore.from_url(self.handle.redis_url, name)
-
-    def refresh(self) -> JobHandle:
-        self.handle = JobHandle.load(self.name)
-        return self.handle
-
-    def state(self) -> JobState:
-        return self.store.load().state
-
-    def status(self) -> dict:
-        return status_view(self.store.status(), None)
-
-    def in_state(self, state: JobState, **fields):
-        def check():
-            rec = self.store.load()
-            return rec if rec.state == state and all(getattr(rec, k) == v for k, v in fields.items()) else None
-        return check
-
-    def ended(self):
-        handle = self.refresh()
-        return handle.final if handle.final and not pid_alive(handle.supervisor_pid) else None
-
-    def node_pid(self, node: str) -> int:
-        return json.loads(self.store.r.hget(f"megascale:{{{self.name}}}:local", node))["pid"]
-
-    def assert_services_gone(self) -> None:
-        for address in (self.handle.redis_url.rsplit(":", 1)[1], self.handle.kafka.rsplit(":", 1)[1]):
-            assert not port_open(int(address)), f"port {address} still open"
-
-
-def launch(capsys, config: str, name: str) -> Job:
-    assert main(["launch", config]) == 0
-    assert f"launched job {name}" in capsys.readouterr().out
-    return Job(name)
-
-
-def cli(capsys, *argv: str) -> str:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    return out.out
+from control_plane_support import ROOT, Job, cli, job_yaml, launch  # noqa: E402 - tests/driver is on sys.path (conftest)
 
 
 def test_launch_status_pause_resume_survive_driver_kill_stop(tmp_path, capsys, wait):
@@ -99,7 +35,7 @@ def test_launch_status_pause_resume_survive_driver_kill_stop(tmp_path, capsys, w
     assert all(n in detail for n in ("n0", "n1", "n2", "spare", "2 running"))
 
     assert "pause requested" in cli(capsys, "pause", "cp-ops")
-    wait(job.in_state(JobState.PAUSED, reason="paused by user", waiting_op=""), 30, "the ranks to stop")
+    wait(job.in_state(JobState.PAUSED, reason="paused by user", phase=Phase.IDLE), 30, "the ranks to stop")
     nodes = {n["node"]: n for n in job.status()["nodes"]}
     assert nodes["n0"]["phase"] == "idle" and nodes["n1"]["ranks"] == {"stopped": 2}
 
@@ -210,16 +146,16 @@ def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
 
 @pytest.mark.slow
 def test_failed_rank_restarts_dead_node_pauses_then_evict_and_resume(tmp_path, capsys, wait, monkeypatch):
-    monkeypatch.setenv("FAKE_FAIL", "1:3")  # rank 1 fails at step 3 of incarnation 1
-    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    monkeypatch.setenv("SIM_FAIL_AT", "1:3")  # rank 1 fails at step 3 of incarnation 1
+    monkeypatch.setenv("SIM_STEP_S", "0.1")
     job = launch(capsys, job_yaml(tmp_path, "cp-fault", steps=60, dead_after_s=4, auto_recover=False), "cp-fault")
     rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 90, "the automatic restart")
-    assert rec.restarts == 1 and "injected failure at step 3" in rec.fault["message"]
+    assert rec.restarts == 1 and "injected failure at step 3" in rec.recovery.fault.message
 
     os.kill(job.node_pid("n1"), signal.SIGKILL)  # the node dies; its ranks die with it
     rec = wait(job.in_state(JobState.PAUSED), 30, "the dead node to pause the job")
     assert "node n1 is dead" in rec.reason and "megascale evict cp-fault n1" in rec.reason
-    wait(lambda: job.store.load().waiting_op == "", 30, "the other ranks to stop")
+    wait(lambda: job.store.load().phase == Phase.IDLE, 30, "the other ranks to stop")
     cli(capsys, "resume", "cp-fault")
     wait(lambda: job.store.load().reason.startswith("cannot resume: node n1 is dead"), 10, "resume to be refused")
 
@@ -252,15 +188,16 @@ def test_run_trains_gpt_across_two_nodes(tmp_path, monkeypatch):
 
 
 def test_timings_reach_the_store_stragglers_status_and_prometheus(tmp_path, capsys, wait, monkeypatch):
-    monkeypatch.setenv("FAKE_SLOW_RANK", "1")  # rank 1's timings say 3x its peers: a straggler on n0
-    monkeypatch.setenv("FAKE_STEP_S", "0.1")
+    monkeypatch.setenv("SIM_SLOW_RANK", "1")  # rank 1 computes 3x as long as its peers: a straggler on n0
+    monkeypatch.setenv("SIM_STEP_S", "0.1")
     job = launch(capsys, job_yaml(tmp_path, "cp-timings", steps=40), "cp-timings")
     status = wait(lambda: job.status().get("stragglers") and job.status(), 60, "a straggler in the status")
     assert status["stragglers"][0].startswith("straggler: rank 1 on n0 ") and status["prometheus"]
     with urllib.request.urlopen(status["prometheus"], timeout=5) as reply:
-        scraped = reply.read().decode()
-    assert 'megascale_straggler_slowdown_ratio{job="cp-timings",rank="1",node="n0"' in scraped
-    assert "megascale_rank_step_seconds" in scraped
+        scraped = [s for family in text_string_to_metric_families(reply.read().decode()) for s in family.samples]
+    assert any(s.name == "megascale_straggler_slowdown_ratio" and (s.labels["job"], s.labels["rank"], s.labels["node"])
+               == ("cp-timings", "1", "n0") for s in scraped)
+    assert any(s.name == "megascale_rank_step_seconds" for s in scraped)
     shown = cli(capsys, "status", "cp-timings")
     assert "straggler: rank 1 on n0" in shown and "ETTR" in shown and "recoveries 0" in shown
 

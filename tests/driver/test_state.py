@@ -6,7 +6,8 @@ import time
 import pytest
 import redis
 
-from megascale.driver.state import TERMINAL, TRANSITIONS, JobRecord, JobState, JobStore, NodeSlot, TransitionError
+from megascale.driver.state import (TERMINAL, TRANSITIONS, JobRecord, JobState, JobStore, NodeSlot, Phase,
+                                    TransitionError)
 from megascale.common.messages import Ack, acks_key, command_stream, decode, encode
 
 
@@ -23,9 +24,9 @@ def test_every_state_is_reachable_and_terminal_states_are_final():
 
 def test_record_moves_only_along_transitions_and_round_trips():
     rec = JobRecord(job="j", config={"name": "j"}, run_dir="/tmp/x", nodes=[NodeSlot("n0", "active", 0)])
-    rec.waiting_op, rec.waiting = "start", {"n0": 3}
+    rec.phase, rec.waiting = Phase.START, {"n0": 3}
     assert rec.move(JobState.INITIALIZING, "go") == JobState.PENDING
-    assert (rec.waiting_op, rec.waiting) == ("", {})  # a new state waits on nothing yet
+    assert (rec.phase, rec.waiting) == (Phase.IDLE, {})  # a new state waits on nothing yet
     with pytest.raises(TransitionError):
         rec.move(JobState.SUCCEEDED)
     assert JobRecord.from_json(rec.to_json()) == rec

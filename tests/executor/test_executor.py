@@ -35,8 +35,8 @@ def test_comm_env_layers_defaults_then_inherited_then_job():
 
 
 def test_executor_runs_commands_and_heartbeats(redis_server, broker, tmp_path, wait, monkeypatch):
-    monkeypatch.setenv("FAKE_STEP_S", "0.1")
-    monkeypatch.setenv("FAKE_FAIL", "0:2")  # rank 0 fails at step 2 of incarnation 1
+    monkeypatch.setenv("SIM_STEP_S", "0.1")
+    monkeypatch.setenv("SIM_FAIL_AT", "0:2")  # rank 0 fails at step 2 of incarnation 1
     r = redis.Redis.from_url(redis_server.url)
     work = tmp_path / "n0"
     proc = subprocess.Popen([sys.executable, "-m", "megascale.executor", "--job", "j", "--node", "n0",
@@ -131,8 +131,8 @@ def test_executor_runs_commands_and_heartbeats(redis_server, broker, tmp_path, w
 def test_a_step_older_than_hang_after_s_is_heartbeated_at_once(redis_server, broker, tmp_path, wait, monkeypatch):
     """The driver's hang clock reads the node's own age of its newest step; the heartbeat that says
     it passed control.hang_after_s goes out then, not a (here 30 s) heartbeat interval later."""
-    monkeypatch.setenv("FAKE_STEP_S", "0.1")
-    monkeypatch.setenv("FAKE_HANG_AT", "3")
+    monkeypatch.setenv("SIM_STEP_S", "0.1")
+    monkeypatch.setenv("SIM_HANG_AT", "1:3")  # the reporting rank hangs after step 3
     r = redis.Redis.from_url(redis_server.url)
     proc = subprocess.Popen([sys.executable, "-m", "megascale.executor", "--job", "j", "--node", "n0",
                              "--redis", redis_server.url, "--kafka", broker.bootstrap,

@@ -79,9 +79,9 @@ def test_mask_is_cached_and_usable_after_inference_mode():
         attention(q.detach(), k.detach(), v.detach(), window=4)
     out = attention(q, k, v, window=4)  # reuses the cached mask with autograd on
     out.sum().backward()
-    assert attn_mod._sliding_window_mask(
+    assert attn_mod._causal_mask(
         24, 4, q.device
-    ) is attn_mod._sliding_window_mask(24, 4, q.device)
+    ) is attn_mod._causal_mask(24, 4, q.device)
 
 
 def test_bad_window_rejected():
@@ -142,3 +142,36 @@ def test_flash_call_convention(monkeypatch):
 
 def test_package_exports_function():
     assert attention is attn_mod.attention
+
+
+def _grouped_qkv(kv_heads: int, seq=S):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, 4, seq, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, seq, D, generator=g, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+def repeated_kv_reference(q, k, v, window=None):
+    """GQA as Llama's repeat_kv writes it: each k/v head copied for its consecutive query heads."""
+    group = q.shape[1] // k.shape[1]
+    return reference(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), window)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("window", [None, 5])
+def test_grouped_query_attention_matches_repeated_kv_heads(kv_heads, window):
+    q, k, v = _grouped_qkv(kv_heads)
+    for got, want in zip(grads(attention, q, k, v, window), grads(repeated_kv_reference, q, k, v, window)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_path_handles_grouped_query_attention():
+    q, k, v = (t.detach() for t in _grouped_qkv(2, seq=64))
+    torch.testing.assert_close(attn_mod._flex(q, k, v, 5), repeated_kv_reference(q, k, v, 5), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_heads_must_divide_query_heads():
+    q, k, v = _grouped_qkv(3)
+    with pytest.raises(ValueError, match="k/v heads dividing q heads"):
+        attention(q, k, v)

@@ -3,7 +3,7 @@ import sys
 import types
 
 import torch
-from megascale.kernels import LayerNorm, fused_backend, gelu
+from megascale.kernels import LayerNorm, RMSNorm, fused_backend, gelu
 from torch import nn
 
 
@@ -55,3 +55,24 @@ def test_nvidia_apex_used_only_with_cuda(monkeypatch):
     assert fused_backend() == "apex"
     ln = LayerNorm(8, eps=1e-6)
     assert type(ln) is FakeFusedLayerNorm and ln.eps == 1e-6
+
+
+def _llama_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm.forward, line for line: fp32 statistics, cast back, then the weight."""
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def test_rmsnorm_matches_llama_formula_in_fp32_and_bitwise_in_bf16():
+    norm = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 7, 16) * 3
+    torch.testing.assert_close(norm(x), _llama_rms_norm(x, norm.weight, 1e-6), atol=1e-6, rtol=1e-6)
+    norm.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    got, want = norm(xb), _llama_rms_norm(xb, norm.weight, 1e-6)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -22,7 +22,7 @@ from megascale.rendezvous import (
     join,
     redis_store,
 )
-from megascale.rendezvous.bench import check_real_results, launch_ranks
+from megascale.bench.rendezvous import check_real_results, launch_ranks
 from megascale.common.processes import free_port
 
 pytestmark = pytest.mark.timeout(90)  # a hang fails fast instead of stalling the suite
@@ -186,6 +186,20 @@ def test_unreachable_redis_fails_within_connect_timeout(job):
     assert time.monotonic() - start < 3
 
 
+def test_first_connection_retries_until_redis_is_up(job):
+    late = EmbeddedRedis()  # its port, before anything listens there
+    starter = threading.Timer(0.4, late.start)
+    starter.start()
+    try:
+        store = RedisStore(port=late.port, job=job, connect_timeout=timedelta(seconds=20))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        store.close()
+    finally:
+        starter.join()
+        late.stop()
+
+
 def test_silent_server_is_not_waited_on_forever(job, monkeypatch):
     """A peer that accepts but never answers (a hung host) ends in an error, not a hang."""
     monkeypatch.setattr(redis_store, "SOCKET_TIMEOUT_S", 0.5)
@@ -238,9 +252,8 @@ def _raises(fn, *args) -> list[BaseException]:
 
 # -- real processes ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("local_sync", [None, False], ids=["own-groups", "every-rank-every-group"])
-def test_init_process_group_4_processes_with_collectives(server, job, local_sync):
-    launched = launch_ranks(f"{server.url}/{job}?incarnation=0", world=4, timeout_s=60, local_sync=local_sync)
+def test_init_process_group_and_engine_groups_across_4_processes(server, job):
+    launched = launch_ranks(f"{server.url}/{job}?incarnation=0", world=4, timeout_s=60)  # groups by build_context
     rows = [launched.results.get(timeout=90) for _ in launched.procs]
     for p in launched.procs:
         p.join(timeout=30)
@@ -281,7 +294,7 @@ def test_redis_killed_mid_init_gives_one_line_error(server, job):
 def test_bench_async_driver_sends_what_redis_store_sends(server, job, monkeypatch):
     import asyncio
 
-    from megascale.rendezvous import bench
+    from megascale.bench import store_sim as bench
 
     calls = [("set", ("a", b"1")), ("add", ("n", 1)), ("add", ("n", 0)), ("get", ("a",)),
              ("wait", (["a"],)), ("wait", (["a", "n"],))]

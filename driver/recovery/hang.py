@@ -1,0 +1,93 @@
+"""The hang clock (MegaScale §4.1): every node heartbeats, but training makes no progress.
+
+A hung collective leaves each rank's process alive and its executor reporting, so no heartbeat shows
+the fault; only the step that stops moving does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from megascale.config import JobConfig
+
+from ..ingest import NodeView
+from ..state import Fault, JobRecord
+
+
+def progress(rec: JobRecord, views: dict[str, NodeView]) -> dict:
+    """The newest step of the current incarnation that any node reported, with its loss and timings."""
+    best: dict = {}
+    for view in views.values():
+        hb = view.hb
+        if hb.incarnation == rec.incarnation and hb.step is not None and hb.step >= best.get("step", -1):
+            if hb.loss is not None or "loss" not in best:
+                best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s,
+                        "step_time": hb.step_time, "age_s": hb.step_age_s,
+                        "seen": view.wall - (hb.step_age_s or 0.0)}  # when the node saw it, by our clock
+    return best
+
+
+def checkpoint_waits(rec: JobRecord, views: dict[str, NodeView]) -> list[tuple[float, str, str]]:
+    """(since, what, node) for every active node whose ranks this incarnation wait outside a step."""
+    return [(v.hb.waiting_since or time.time(), v.hb.waiting, s.node) for s in rec.slots("active")
+            if (v := views.get(s.node)) and v.hb.incarnation == rec.incarnation and v.hb.waiting]
+
+
+class HangClock:
+    """When the (incarnation, step) last changed; a hang is that moment too long ago."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, Optional[int]] = (0, None)  # (incarnation, step)
+        self.since = time.time()
+        self._announced: tuple = ()  # the checkpoint wait last reported as not a hang
+
+    @property
+    def step(self) -> Optional[int]:
+        return self.last[1]
+
+    def track(self, rec: JobRecord, seen: dict, waits: list[tuple[float, str, str]]) -> None:
+        """Moves the clock to a new step; a checkpoint wait holds it until the wait ends."""
+        key, now = (rec.incarnation, seen.get("step")), time.time()
+        if key != self.last:
+            self.last, self.since = key, min(now, seen.get("seen", now))
+        elif waits:  # ranks blocked on a checkpoint persisting: the clock restarts when it ends
+            self.since = now
+
+    def check(self, rec: JobRecord, cfg: JobConfig, seen: dict, waits: list[tuple[float, str, str]],
+              announce: Callable[[str, str], None]) -> Optional[Fault]:
+        """A hang, if the step has not moved for control.hang_after_s (before the incarnation's first
+        step: for control.start_timeout_s, as ranks load and restore first; after the last one: for
+        control.command_timeout_s, as they commit and exit; while ranks wait on a checkpoint persisting:
+        for checkpoint.persist_timeout_s). `announce(message, node)` tells of a wait that is not a hang."""
+        ctl, step = cfg.control, self.step
+        if not ctl.hang_after_s:
+            return None
+        if waits:
+            since_wall, what, node = min(waits)
+            waited = time.time() - since_wall
+            if waited > cfg.checkpoint.persist_timeout_s:
+                return Fault("hang", node, f"no training progress: ranks on {node} have waited {waited:.0f} s for "
+                             f"{what} (storage stuck or too slow; checkpoint.persist_timeout_s)",
+                             {"step": step, "waiting": what})
+            if self._announced != (rec.incarnation, what):
+                self._announced = (rec.incarnation, what)
+                announce(f"training waits for {what} on {node}: not a hang until checkpoint."
+                         f"persist_timeout_s={cfg.checkpoint.persist_timeout_s:.0f} s", node)
+            return None
+        quiet = time.time() - max(self.since, rec.entered)
+        if step is not None and (age := seen.get("age_s")) is not None:
+            # The node's own word that the step is still the newest, so late heartbeats are not
+            # taken for a hang (a node that stops reporting is dead_after_s's case).
+            quiet = min(quiet, age)
+        after = ctl.hang_after_s
+        if step is None:
+            after = max(after, ctl.start_timeout_s)
+        elif step >= cfg.train.steps:  # the last step is done: ranks commit and exit
+            after = max(after, ctl.command_timeout_s)
+        if quiet <= after:
+            return None
+        if step is None:
+            return Fault("hang", None, f"incarnation {rec.incarnation} reported no step within {quiet:.0f} s "
+                         f"of starting while every node heartbeats (control.start_timeout_s)", {"step": None})
+        return Fault("hang", None, f"no training progress for {quiet:.0f} s after step {step} "
+                     f"while every node heartbeats", {"step": step})

@@ -1,0 +1,81 @@
+"""Recovery timings (MegaScale §6): each recovery's MTTR in phases, and the job's ETTR.
+
+Per recovery (status `recoveries`, and an `info` event): `detection_s` (fault -> detected),
+`diagnosis_s` (-> decision: localisation, stop, self-checks), `restart_s` (-> the new incarnation's
+first step), `catchup_s` (-> back at the step of the fault), `steps_lost` (steps replayed), `total_s`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from ..ingest import NodeView
+from ..state import Fault, JobRecord, Timeline
+
+
+def start(rec: JobRecord, fault: Fault, step: int, chaos: Optional[dict], silence: Callable[[str], float],
+          hang_since: float) -> Timeline:
+    """The timeline of a fault detected now, at `step` of the current incarnation."""
+    now = time.time()
+    return Timeline(occurred=_occurred(rec, fault, now, chaos, silence, hang_since), detected=now, step=step,
+                    incarnation=rec.incarnation)
+
+
+def _occurred(rec: JobRecord, fault: Fault, now: float, chaos: Optional[dict], silence: Callable[[str], float],
+              hang_since: float) -> float:
+    """Best estimate of when the fault happened: an injected one's own record (`chaos`), else the evidence."""
+    if chaos and now - 300 < chaos["time"] <= now and chaos["time"] > rec.entered - 1:
+        return chaos["time"]
+    if fault.kind == "node_dead":
+        return now - silence(fault.node or "")
+    if fault.kind == "hang":
+        return hang_since
+    if "at" in fault.detail:  # the error line's or the bad step's own time, by the node's clock
+        return min(now, fault.detail["at"])
+    return now  # a straggler has no moment of failure: its detection counts from the finding
+
+
+def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[dict]:
+    """Notes the fastest step time (ETTR's ideal) and moves the open recovery along: the restarted
+    incarnation's first step, then the fault's step again. Returns the recovery's figures once caught up."""
+    step, step_time, now = seen.get("step"), seen.get("step_time"), time.time()
+    if step_time and step_time > 0:
+        rec.ideal_step_s = min(step_time, rec.ideal_step_s or step_time)  # the fastest step seen is the ideal one
+    recovery = rec.recovery
+    t = recovery.timeline if recovery else None
+    if recovery is None or t is None or step is None or t.incarnation == rec.incarnation:
+        return None
+    if t.resumed is None:
+        restored = [v.hb.restored_step for s in rec.slots("active") if (v := views.get(s.node))
+                    and v.hb.incarnation == rec.incarnation and v.hb.restored_step is not None]
+        t.resumed, t.restored_step = now, min(restored) if restored else max(0, step - 1)
+        t.step = max(t.step, t.restored_step)  # the fault's step came from a heartbeat up to an interval stale
+    if step < t.step:
+        return None
+    diagnosed = t.detected if t.diagnosed is None else t.diagnosed
+    phases = {"detection_s": t.detected - t.occurred, "diagnosis_s": diagnosed - t.detected,
+              "restart_s": t.resumed - diagnosed, "catchup_s": now - t.resumed, "total_s": now - t.occurred}
+    fault = recovery.fault
+    done = {"kind": fault.kind, "node": fault.node, "step": t.step, "restored_step": t.restored_step,
+            "steps_lost": max(0, t.step - t.restored_step), **{k: round(v, 2) for k, v in phases.items()}}
+    rec.recoveries.append(done)
+    recovery.timeline = None
+    return done
+
+
+def summary(done: dict) -> str:
+    return (f"recovered from {done['kind']} in {done['total_s']:.1f} s (detect {done['detection_s']:.1f}, "
+            f"diagnose {done['diagnosis_s']:.1f}, restart {done['restart_s']:.1f}, catch up {done['catchup_s']:.1f}: "
+            f"{done['steps_lost']} steps replayed)")
+
+
+def mttr(rec: JobRecord) -> Optional[float]:
+    """Mean time to recovery: fault to training caught up, over the finished recoveries."""
+    return round(sum(r["total_s"] for r in rec.recoveries) / len(rec.recoveries), 2) if rec.recoveries else None
+
+
+def ettr(rec: JobRecord, step: Optional[int]) -> Optional[float]:
+    """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time."""
+    if not step or not rec.ideal_step_s:
+        return None
+    return round(min(1.0, step * rec.ideal_step_s / max(1e-9, time.time() - rec.created)), 4)

@@ -1,0 +1,31 @@
+"""`megascale bench NAME`: run one benchmark and print its report."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from megascale.bench import BENCHMARKS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="run a benchmark and print its ratios")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    bench.add_argument("--fault-interval", type=float, default=0.0, metavar="S",
+                       help="recovery: seconds from one injected fault to the next (0 = 1 s after each recovery)")
+    bench.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    # Imported on demand: each benchmark pulls in its own area (torch, Kafka, Redis).
+    result = importlib.import_module(f"megascale.bench.{BENCHMARKS[args.name]}").run(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    sys.stdout.flush()
+    return 0

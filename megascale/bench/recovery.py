@@ -1,0 +1,101 @@
+"""`megascale bench recovery`: MTTR and ETTR of automatic recovery on a local 4-node job.
+
+Stand-in ranks (driver/sim_rank.py) keep it to CPU seconds; the control plane, services, chaos
+and recovery are the real ones. Faults of mixed kinds are injected one after another, each once
+the previous recovery has caught up (or `--fault-interval S` after the previous one); per fault
+the driver's own timings are reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from megascale.driver import sim_rank
+from megascale.driver.chaos import inject
+from megascale.driver.services import JobHandle
+from megascale.driver.state import JobStore
+
+JOB = "bench-recovery"
+HEARTBEAT_S = 0.5
+HANG_AFTER_S = 2 * HEARTBEAT_S
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise RuntimeError(f"bench recovery: timed out after {timeout:.0f} s waiting for {what}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    interval = getattr(args, "fault_interval", 0.0) or 0.0
+    if interval < 0:
+        raise SystemExit(f"megascale bench recovery: --fault-interval={interval}: must be >= 0")
+    plan = [("kill-rank", "n1"), ("kill-node", "n2"), ("hang", "n3")]
+    if not getattr(args, "quick", False):
+        plan += [("freeze-node", "n0"), ("kill-rank", "n3")]
+    with tempfile.TemporaryDirectory(prefix="megascale-bench-recovery-") as tmp:
+        root = Path(tmp)
+        config = {"name": JOB, "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+                  "parallelism": {"dp": 4}, "batch": {"micro": 1, "global": 4},
+                  "cluster": {"nodes": 4, "spares": 2},
+                  # Silence and hang thresholds of 2 heartbeat intervals: the issue's detection goal.
+                  "control": {"heartbeat_s": HEARTBEAT_S, "dead_after_s": 2 * HEARTBEAT_S,
+                              "hang_after_s": HANG_AFTER_S,
+                              "selfcheck": False, "max_restarts": 10, "start_timeout_s": 90, "command_timeout_s": 20},
+                  "checkpoint": {"uri": str(root / "ckpt"), "every": 10},
+                  "train": {"steps": 100000, "run_dir": str(root / "runs")}}
+        path = root / "job.yaml"
+        path.write_text(yaml.safe_dump(config))
+        env = {**os.environ, "MEGASCALE_HOME": str(root / "home"), "MEGASCALE_RANK_ENTRY": sim_rank.__file__,
+               "SIM_STEP_S": "0.1"}
+        os.environ["MEGASCALE_HOME"] = env["MEGASCALE_HOME"]  # JobHandle.load reads it here
+        subprocess.run([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env, check=True,
+                       capture_output=True, timeout=90)
+        handle = JobHandle.load(JOB)
+        store = JobStore.from_url(handle.redis_url, JOB)
+        try:
+            status = lambda: json.loads(store.r.get(store.k_status) or "{}")  # noqa: E731
+            _wait(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
+            injected = []
+            for kind, node in plan:
+                before = len(status().get("recoveries", []))
+                injected.append(time.time())
+                inject(store, kind, node)
+                _wait(lambda: len(status().get("recoveries", [])) > before, 60, f"recovery from {kind} on {node}")
+                time.sleep(max(1.0, interval - (time.time() - injected[-1])))  # steady training between faults
+            final = status()
+        finally:
+            store.set_desired("stopped")
+            _wait(lambda: not handle.live() or JobHandle.load(JOB).final, 60, "the job to stop")
+    faults = final.get("recoveries", [])
+    gaps = [b - a for a, b in zip(injected, injected[1:])]
+    return {
+        "faults": faults,
+        "detection_intervals_max": round(max(f["detection_s"] for f in faults) / HEARTBEAT_S, 2),
+        "detection_intervals_by_kind": {kind: round(max(f["detection_s"] for f in faults if f["kind"] == kind)
+                                                    / HEARTBEAT_S, 2) for kind in sorted({f["kind"] for f in faults})},
+        # A hang is by definition hang_after_s without progress: what detection adds beyond that.
+        "hang_detection_past_threshold_s": max((round(f["detection_s"] - HANG_AFTER_S, 2) for f in faults
+                                                if f["kind"] == "hang"), default=None),
+        "resume_s_max": round(max(f["diagnosis_s"] + f["restart_s"] for f in faults), 2),
+        "lost_s_per_fault_max": round(max(f["total_s"] for f in faults), 2),
+        "steps_lost_max": max(f["steps_lost"] for f in faults),
+        "ettr": final.get("ettr"),
+        "mttr_s": final.get("mttr_s"),
+        "fault_interval_s": round(sum(gaps) / len(gaps), 2) if gaps else None,
+        # ETTR at one fault every 5 minutes, counting the time the faults cost (the run's own
+        # ettr is at fault_interval_s, a fault every few seconds).
+        "ettr_at_5min_interval": round(1 - sum(f["total_s"] for f in faults) / len(faults) / 300, 4),
+        "heartbeat_s": HEARTBEAT_S,
+    }

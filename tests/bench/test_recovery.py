@@ -1,0 +1,23 @@
+"""`megascale bench recovery --quick`: the JSON keys the issue tracks across runs, and sane values."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megascale.bench import recovery as bench_recovery
+
+
+@pytest.mark.slow
+def test_quick_recovery_bench_reports_every_fault_and_the_tracked_keys(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGASCALE_HOME", str(tmp_path / "home"))
+    result = bench_recovery.run(argparse.Namespace(quick=True, fault_interval=0.0))
+    assert {"detection_intervals_max", "resume_s_max", "lost_s_per_fault_max", "ettr", "fault_interval_s",
+            "faults"} <= set(result)
+    assert [f["kind"] for f in result["faults"]] == ["rank_failed", "node_dead", "hang"]
+    for fault in result["faults"]:
+        assert 0 <= fault["detection_s"] < 10 and fault["total_s"] > 0 and fault["steps_lost"] >= 0, fault
+    assert result["resume_s_max"] < 30 and 0 < result["ettr"] < 1
+    assert result["detection_intervals_by_kind"]["node_dead"] <= 2  # the executor's exit, seen by the backend
+    # The heartbeat saying the step went stale leaves at hang_after_s, not at the next interval.
+    assert result["hang_detection_past_threshold_s"] < 1.5 * bench_recovery.HEARTBEAT_S

@@ -1,0 +1,87 @@
+"""Recovery's decisions without a cluster: who is self-checked, what the policy decides and evicts, and
+how a recovery's time splits into MTTR phases (the end-to-end runs are in test_recovery*.py)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megascale.common.messages import Heartbeat
+from megascale.config import from_dict
+from megascale.driver.ingest import NodeView
+from megascale.driver.recovery import policy, selfcheck, timings
+from megascale.driver.state import Fault, JobRecord, NodeSlot, Recovery, Timeline
+
+
+def config(**control):
+    return from_dict({"name": "j", "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+                      "parallelism": {"pp": 2, "dp": 2}, "batch": {"micro": 1, "global": 2},
+                      "cluster": {"nodes": 4}, "control": control})
+
+
+def record(restarts: int = 0) -> JobRecord:  # four nodes of one rank each: n0 n1 (dp), n0 n2 (pp)
+    return JobRecord(job="j", config={}, run_dir="/r", incarnation=1, restarts=restarts,
+                     nodes=[NodeSlot(f"n{i}", "active", i) for i in range(4)])
+
+
+def crashed(node: str = "n0") -> Recovery:
+    return Recovery(Fault("rank_failed", node, f"rank on {node} exited with code 1"), timeline=None)
+
+
+def test_self_check_covers_the_suspect_and_its_group_peers_only():
+    rec, cfg = record(), config()
+    assert selfcheck.targets(rec, crashed(), cfg, gone=lambda node: False) == ["n0", "n1", "n2"]
+    assert selfcheck.targets(rec, crashed(), cfg, gone=lambda node: node == "n1") == ["n0", "n2"]
+    assert selfcheck.targets(rec, crashed(), config(selfcheck=False), gone=lambda node: False) == []
+    assert selfcheck.targets(rec, crashed(), config(auto_recover=False), gone=lambda node: False) == []
+
+
+def test_policy_restarts_evicting_the_dead_and_the_failed_until_restarts_run_out():
+    rec, cfg, recovery = record(), config(), crashed()
+    recovery.bad["n1"] = "self-check failed: gemm.flops"
+    rec.slot("n3").dead = "no heartbeat"
+    decision, reason = policy.decide(rec, recovery, ["n3"], cfg)
+    assert decision == "restart" and reason.endswith(
+        "evicting n1 (self-check failed: gemm.flops), n3 (dead); restart 1/3"), reason
+    assert policy.evictions(rec, recovery, ["n3"], cfg) == {"n1": "self-check failed: gemm.flops",
+                                                            "n3": "dead (no heartbeat)"}
+    decision, reason = policy.decide(record(restarts=3), recovery, [], cfg)
+    assert decision == "fail" and "gave up after 3 restarts (control.max_restarts)" in reason
+
+
+def test_without_auto_recover_a_dead_node_pauses_the_job_for_a_human():
+    manual = config(auto_recover=False)
+    decision, reason = policy.decide(record(), crashed("n3"), ["n3"], manual)
+    assert decision == "pause" and "`megascale evict j n3` replaces it with a spare" in reason, reason
+    assert policy.evictions(record(), crashed("n3"), ["n3"], manual) == {}
+
+
+@pytest.mark.parametrize("kind, detail, expected", [("rank_error", {"at": 95.0}, 95.0), ("straggler", {}, None)])
+def test_a_fault_dates_from_its_evidence(kind, detail, expected):
+    rec = record()
+    rec.entered = 90.0
+    timeline = timings.start(rec, Fault(kind, "n0", "m", detail), step=7, chaos=None, silence=lambda node: 0.0,
+                             hang_since=0.0)
+    assert timeline.occurred == (expected or timeline.detected) and (timeline.step, timeline.incarnation) == (7, 1)
+
+
+def view(node: str, step: int, restored: int) -> NodeView:
+    hb = Heartbeat(job="j", node=node, host="h", ip="127.0.0.1", boot_id="b", seq=1, time=time.time(), interval_s=0.5,
+                   phase="running", incarnation=2, step=step, restored_step=restored)
+    return NodeView(hb, received=time.monotonic(), wall=time.time())
+
+
+def test_a_recovery_ends_when_the_next_incarnation_is_back_at_the_fault_step():
+    rec, now = record(), time.time()
+    rec.incarnation = 2  # the restarted incarnation
+    rec.recovery = Recovery(crashed().fault, Timeline(occurred=now - 10, detected=now - 9, step=7, incarnation=1,
+                                                      diagnosed=now - 6))
+    views = {"n0": view("n0", 5, restored=4)}
+    assert timings.track(rec, views, {"step": 5}) is None  # resumed from step 4: three steps to replay
+    assert rec.recovery.timeline.restored_step == 4 and rec.recoveries == []
+    done = timings.track(rec, views, {"step": 7})
+    assert done == rec.recoveries[0] and rec.recovery.timeline is None
+    assert (done["kind"], done["steps_lost"], done["detection_s"], done["diagnosis_s"]) == ("rank_failed", 3, 1, 3)
+    assert done["total_s"] == pytest.approx(done["detection_s"] + done["diagnosis_s"] + done["restart_s"]
+                                            + done["catchup_s"], abs=0.05)
+    assert timings.mttr(rec) == done["total_s"]
