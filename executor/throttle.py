@@ -2,7 +2,7 @@
 
 The rank is stopped and resumed (SIGSTOP / SIGCONT) in a duty cycle: it runs 1/factor of every
 `PERIOD_S` and is stopped for the rest, so everything it does takes `factor` times as long in wall
-time, exactly as a slow device or a throttled CPU would make it, with no help from the rank. The
+time, as on a slow device or a throttled CPU, with no help from the rank. The
 phases are measured, and each next one corrects the error of those before, so the achieved share
 of stopped time stays on target however late this thread is woken on a busy host.
 """

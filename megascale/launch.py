@@ -35,8 +35,12 @@ def _rank_main(rank: int, layout: Layout, init_method: str, comm: CommConfig, ba
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     result_path = Path(result_dir) / f"rank{rank}.pt"
     try:
+        # A forked child of a process that has run OpenMP work hangs in its first multi-threaded
+        # region (libgomp is not fork-safe; reproduced with torch's cos and matmul): forked ranks
+        # run single-threaded, as torch's DataLoader workers do. Spawned ranks (NCCL) are not affected.
+        threads = None if backend == "nccl" else 1  # run_ranks forks unless NCCL
         ctx = init_rank(layout, rank, init_method, comm, backend=backend, sequence_parallel=sequence_parallel,
-                        flight_dir=flight_dir)
+                        flight_dir=flight_dir, threads=threads)
         torch.save({"ok": True, "value": fn(ctx, *args)}, result_path)
     except BaseException as e:  # report every failure to the parent instead of dying silently
         torch.save({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(),

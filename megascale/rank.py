@@ -50,14 +50,19 @@ def resolve_backend(choice: str) -> str:
 
 def init_rank(layout: Layout, rank: int, init_method: str, comm: CommConfig, *, backend: str = "auto",
               sequence_parallel: bool = False, local_rank: Optional[int] = None,
-              local_world_size: Optional[int] = None, flight_dir: Optional[str | Path] = None) -> ParallelContext:
+              local_world_size: Optional[int] = None, flight_dir: Optional[str | Path] = None,
+              threads: Optional[int] = None) -> ParallelContext:
     """Makes this process rank `rank` of `layout`: communication environment, CPU threads, device,
     the process group from the rendezvous at `init_method` (`redis://...` or `file://...`), this
-    rank's groups and timers, and, with `flight_dir`, its flight recorder. Undo with `shutdown_rank`."""
+    rank's groups and timers, and, with `flight_dir`, its flight recorder. `threads`: intra-op threads
+    (default: the node's cores shared by its `local_world_size` ranks, unless OMP_NUM_THREADS says).
+    Undo with `shutdown_rank`."""
     os.environ.update(comm_env(comm.env, dict(os.environ)))
     local_rank = rank if local_rank is None else local_rank
     local_world_size = local_world_size or layout.world_size
-    if "OMP_NUM_THREADS" not in os.environ:  # the node's cores, shared by its ranks
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif "OMP_NUM_THREADS" not in os.environ:  # the node's cores, shared by its ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     backend = resolve_backend(backend)
     device = torch.device("cpu")

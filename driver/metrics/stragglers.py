@@ -11,15 +11,15 @@ Every figure is compared only with work of the same kind:
            median), against its usual y. Dividing by the other stages at the same step cancels what slows
            the whole job at once (a busy host, a checkpoint); the usual y is its share of the work.
 
-A series is judged over windows of its last 4, 8 and 16 judged steps: the window's trimmed mean minus
-the usual value, over the standard error such a mean has (the per-step noise of x measured on this
-job now, over sqrt(window)), is a z-score; its one-sided normal probability is the finding's
-`confidence`. A big slowdown shows within 4 steps, a small one within 16, and a noisy host (many
-ranks on few cores) raises the evidence needed by itself. A finding needs z >= `report_z`, a
-slowdown of at least `min_ratio`, and an excess of at least `min_excess_s` and `min_share` of the
-step; it stays while some window keeps z >= `keep_z` (no flicker at the threshold). The first
-`warmup_steps` steps of each incarnation (allocator and cache warm-up, a restore) are not judged,
-and a stage is judged only once `min_history` steps have taught it its usual share.
+Each series is judged over windows of its last 4, 8, 16 and 32 judged steps (evidence.py): the window's
+trimmed mean less the usual value is its slowdown; over its standard error (from the noise measured on
+this job now, or the spread of all ranks' slowdowns over the same steps if larger) a z-score, whose
+one-sided normal probability is the finding's `confidence`. A finding needs z >= `report_z` in a
+window that also shows that window's slowdown (`windows`: the shorter the evidence, the bigger the
+slowdown it must show) and an excess of at least `min_excess_s` and `min_share` of the step; it stays
+while some window keeps z >= `keep_z` (no flicker at the threshold). The first `warmup_steps` steps of
+each incarnation (allocator and cache warm-up, a restore) are not judged, and a stage only once
+`min_history` steps have taught it its usual share. docs/observability.md has the measured precision.
 
 Where it shows (`dimension`):
   tp  slower than its own TP peers too: one device (a GPU, its link) on that node;
@@ -40,12 +40,12 @@ from typing import Iterable, Optional, Sequence
 
 from megascale.common.messages import Event
 
+from .evidence import Point, Series, Window, against_each_other, confidence, noise, on_its_own, trimmed_mean
+
 DIMENSIONS = ("tp", "dp", "pp")  # narrowest first
 DEFAULT_SEGMENTS = ("compute", "data")
 _EXACT_PEERS = 16  # larger groups use the median including the rank itself (cheaper, the same answer)
-_MEAN_SE = 1.15  # a small sample's 20%-trimmed mean has a standard error of ~1.15 sigma / sqrt(n)
-_MEDIAN_SE = 1.25  # a median's: 1.25 sigma / sqrt(n)
-_MAD_SIGMA = 1.4826  # MAD to the standard deviation of a normal
+_TRAIL = 16  # confidences a finding keeps (control.straggler_evict_after is at most this)
 _STALE_STEPS = 32  # a step this far behind the newest is judged with the ranks it has (a node went quiet)
 
 
@@ -53,11 +53,11 @@ _STALE_STEPS = 32  # a step this far behind the newest is judged with the ranks 
 class Thresholds:
     min_excess_s: float = 0.005  # by at least 5 ms a step: timer noise on tiny segments is not a straggler
     min_share: float = 0.05  # and by at least 5% of the step: a 6 ms stall in a 1 s step costs nothing
-    report_z: float = 4.0  # evidence to report (confidence 0.99997)
+    report_z: float = 4.25  # evidence to report (confidence 0.99999)
     keep_z: float = 2.0  # a reported finding clears below this
     # (judged steps, the slowdown it takes over that many): the shorter the evidence, the bigger the
     # slowdown it must show, so a burst of host noise on one rank for a few steps is not a straggler.
-    windows: tuple[tuple[int, float], ...] = ((4, 2.0), (8, 1.6), (16, 1.3), (32, 1.15))
+    windows: tuple[tuple[int, float], ...] = ((4, 3.0), (8, 1.6), (16, 1.3), (32, 1.15))
     pp_windows: tuple[tuple[int, float], ...] = ((8, 1.6), (16, 1.4), (32, 1.3))  # a stage's, against its usual pace
     warmup_steps: int = 5  # of each incarnation, not judged
     history: int = 32  # judged steps a usual value is learned from
@@ -89,6 +89,7 @@ class Finding:
     pp: int
     dp: int
     ranks: list[int] = field(default_factory=list)  # the ranks it covers: one, or a stage's
+    trail: list[float] = field(default_factory=list)  # its confidence at each of its last _TRAIL judged steps
     nodes: list[int] = field(default_factory=list)  # their nodes: an eviction needs exactly one
     cleared_at: Optional[int] = None  # the step its evidence fell below keep_z
 
@@ -118,16 +119,6 @@ def _median_without(values: list[float], i: int) -> Optional[float]:
     return statistics.median(values[:i] + values[i + 1:])
 
 
-def _trimmed_mean(xs: list[float], trim: float) -> float:
-    xs = sorted(xs)
-    cut = int(trim * len(xs) + 0.5)
-    return statistics.fmean(xs[cut:len(xs) - cut] or xs)
-
-
-def _confidence(z: float) -> float:
-    return 0.5 * math.erfc(-z / math.sqrt(2))
-
-
 def peer_ratios(ranks: dict[int, dict], segment: str) -> dict[int, tuple[float, float, Optional[float]]]:
     """Per rank at one step: (value, its stage peers' median, its TP peers' median or None)."""
     value = {rank: segment_value(r, segment) for rank, r in ranks.items()}
@@ -142,109 +133,6 @@ def peer_ratios(ranks: dict[int, dict], segment: str) -> dict[int, tuple[float, 
         if ref is not None:
             out[rank] = (value[rank], ref, _median_without([value[k] for k in tp], tp.index(rank)))
     return out
-
-
-@dataclass
-class _Point:
-    step: int
-    value: float
-    ref: float  # the peers' median (a stage: the other stages')
-    x: float  # log(value / ref)
-    x_tp: Optional[float]  # log(value / its TP peers' median), for a rank that has TP peers
-    total: float  # the step's median wall time
-    flagged: bool = False  # a finding covered this point: kept out of the usual value
-
-
-@dataclass
-class _Window:
-    """The evidence of a series' last `size` judged steps."""
-    size: int
-    usual: float  # the series' usual x, learned before the window
-    shift: float  # trimmed mean of x, less its usual x
-    se: float  # the standard error of that mean, from the per-step noise
-    excess_s: float  # mean seconds a step above its usual
-    points: list[_Point]
-    z: float = 0.0
-
-    @property
-    def slowdown(self) -> float:
-        return math.exp(self.shift)
-
-    def onset(self) -> int:
-        """The change point: the step from which the sum of x - usual - shift / 2 to the window's end is
-        largest (the points from there on run above halfway to the shift, those before it below)."""
-        total, best, at = 0.0, -math.inf, self.points[-1].step
-        for p in reversed(self.points):
-            total += p.x - self.usual - self.shift / 2
-            if total > best:
-                best, at = total, p.step
-        return at
-
-
-class _Series:
-    """One judged series: a rank against its stage peers, or a stage against the other stages."""
-
-    def __init__(self, th: Thresholds, capped: bool):
-        self.th, self.capped = th, capped
-        self.points: deque[_Point] = deque(maxlen=th.history + max(w for w, _ in th.windows + th.pp_windows))
-
-    def usual(self, before: int = 0) -> tuple[float, int]:
-        """(usual x, steps it was learned from): the median of the unflagged points before the last `before`."""
-        older = list(self.points)[:len(self.points) - before]
-        learned = [p.x for p in older if not p.flagged][-self.th.history:]
-        if not learned:
-            return 0.0, 0
-        b = statistics.median(learned)
-        if self.capped:
-            cap = math.log(self.th.bias_cap)
-            b = min(cap, max(-cap, b))
-        return b, len(learned)
-
-    def windows(self, sizes: Sequence[tuple[int, float]], sigma: float, min_history: int = 0) -> dict[int, _Window]:
-        """The evidence of each full window with `min_history` learned steps before it, by size."""
-        points = list(self.points)
-        out = {}
-        for w, _ in sizes:
-            b, learned = self.usual(before=w)
-            if len(points) < w or learned < min_history:
-                break
-            window = points[-w:]
-            shift = _trimmed_mean([p.x for p in window], self.th.trim) - b
-            se = sigma * math.sqrt(_MEAN_SE ** 2 / w + (_MEDIAN_SE ** 2 / learned if learned else 0.0))
-            excess = statistics.fmean(p.value - p.ref * math.exp(b) for p in window)
-            out[w] = _Window(w, b, shift, se, excess, window)
-        return out
-
-    def residuals(self, last: int) -> list[float]:
-        """Its last points' x around their own median: the step-to-step noise, which a slow rank's
-        shifted level leaves alone."""
-        xs = [p.x for p in list(self.points)[-last:]]
-        middle = statistics.median(xs) if xs else 0.0
-        return [x - middle for x in xs]
-
-
-def _against_each_other(evidence: Iterable[dict[int, _Window]], th: Thresholds) -> None:
-    """z of each rank's window: its shift over the larger of its standard error and the spread of all
-    ranks' shifts over the same steps. Host noise that moves many ranks at once (on a shared host whole
-    groups of ranks run slower for a few steps) widens that spread; one slow rank barely does."""
-    by_size: dict[int, list[_Window]] = defaultdict(list)
-    for windows in evidence:
-        for size, win in windows.items():
-            by_size[size].append(win)
-    for wins in by_size.values():
-        shifts = [w.shift for w in wins]
-        middle = statistics.median(shifts)
-        spread = _MAD_SIGMA * statistics.median(abs(x - middle) for x in shifts) if len(wins) >= 4 else 0.0
-        for w in wins:
-            w.z = w.shift / max(w.se, spread)
-
-
-def _noise(series: Iterable[_Series], th: Thresholds, last: int = 16) -> float:
-    """The per-step noise of x: robust, pooled over the series."""
-    pooled = [abs(r) for s in series for r in s.residuals(last)]
-    if len(pooled) < 8:
-        return math.inf  # too little seen to judge anything yet
-    return max(th.noise_floor, _MAD_SIGMA * statistics.median(pooled))
 
 
 class StragglerMonitor:
@@ -265,7 +153,7 @@ class StragglerMonitor:
         self._recent: deque[dict[int, dict]] = deque(maxlen=thresholds.windows[0][0])
         self._first: Optional[int] = None  # the incarnation's first step
         self._judged = 0  # the newest step judged
-        self._series: dict[tuple, _Series] = {}
+        self._series: dict[tuple, Series] = {}
         self.current: dict[tuple, Finding] = {}
         self.reported: list[Finding] = []  # every finding ever reported, cleared ones with cleared_at
 
@@ -322,25 +210,22 @@ class StragglerMonitor:
             for kind, sizes in (("rank", th.windows), ("stage", th.pp_windows)):
                 chosen = {key: s for key, s in self._series.items()
                           if key[:2] == (segment, kind) and s.points and s.points[-1].step == step}
-                sigma = _noise(chosen.values(), th)
-                evidence = {key: s.windows(sizes, sigma, 0 if kind == "rank" else th.min_history)
+                sigma = noise(chosen.values(), th.noise_floor)
+                evidence = {key: s.windows([w for w, _ in sizes], sigma, 0 if kind == "rank" else th.min_history)
                             for key, s in chosen.items()}
-                if kind == "rank":
-                    _against_each_other(evidence.values(), th)
-                else:
-                    for windows in evidence.values():
-                        for win in windows.values():
-                            win.z = win.shift / win.se
+                (against_each_other if kind == "rank" else on_its_own)(evidence.values())
                 for key, series in chosen.items():
                     self._decide(key, series, evidence[key], sigma, ranks)
 
     def _add_points(self, step: int, ranks: dict[int, dict], segment: str, total: float) -> None:
         th = self.thresholds
+        longest = max(w for w, _ in th.windows + th.pp_windows)
         for rank, (value, ref, tp_ref) in peer_ratios(ranks, segment).items():
             if value > 0 and ref > 0:
                 x_tp = math.log(value / tp_ref) if tp_ref else None
-                series = self._series.setdefault((segment, "rank", rank), _Series(th, capped=True))
-                series.points.append(_Point(step, value, ref, math.log(value / ref), x_tp, total))
+                series = self._series.setdefault((segment, "rank", rank),
+                                                 Series(th.history, longest, th.trim, th.bias_cap))
+                series.points.append(Point(step, value, ref, math.log(value / ref), x_tp, total))
         stages: dict[int, list[float]] = defaultdict(list)
         for r in ranks.values():
             stages[r["pp"]].append(segment_value(r, segment))
@@ -349,10 +234,10 @@ class StragglerMonitor:
             others = [m for q, m in medians.items() if q != p]
             ref = statistics.median(others) if others else 0.0
             if value > 0 and ref > 0:
-                series = self._series.setdefault((segment, "stage", p), _Series(th, capped=False))
-                series.points.append(_Point(step, value, ref, math.log(value / ref), None, total))
+                series = self._series.setdefault((segment, "stage", p), Series(th.history, longest, th.trim, None))
+                series.points.append(Point(step, value, ref, math.log(value / ref), None, total))
 
-    def _decide(self, key: tuple, series: _Series, windows: dict[int, _Window], sigma: float,
+    def _decide(self, key: tuple, series: Series, windows: dict[int, Window], sigma: float,
                 ranks: dict[int, dict]) -> None:
         th = self.thresholds
         segment, kind, unit = key
@@ -360,18 +245,21 @@ class StragglerMonitor:
         ranked = sorted(windows.values(), key=lambda w: -w.z)
         big = [w for w in ranked if w.slowdown >= need[w.size] and w.excess_s >= th.min_excess_s
                and w.excess_s >= th.min_share * statistics.median(p.total for p in w.points)]
+        sure = [w for w in big if w.z >= th.report_z]
         found = self.current.get(key)
-        if big and big[0].z >= th.report_z:
-            self._record(key, series, big[0], sigma, ranks, found)
+        if sure:  # its evidence: the sure window that shows the most slowdown
+            self._record(key, series, max(sure, key=lambda w: w.slowdown), sigma, ranks, found)
         elif found is not None and ranked and ranked[0].z >= th.keep_z and ranked[0].shift > 0:
-            self._record(key, series, ranked[0], sigma, ranks, found)  # fading, but not gone
+            # Fading, not gone: it keeps the evidence it was last reported on, with today's confidence.
+            found.last_step, found.confidence = series.points[-1].step, round(confidence(ranked[0].z), 6)
+            found.trail = (found.trail + [found.confidence])[-_TRAIL:]
         elif found is not None:
             found.cleared_at = series.points[-1].step
             del self.current[key]
         if key in self.current:
             series.points[-1].flagged = True
 
-    def _record(self, key: tuple, series: _Series, j: _Window, sigma: float, ranks: dict[int, dict],
+    def _record(self, key: tuple, series: Series, j: Window, sigma: float, ranks: dict[int, dict],
                 found: Optional[Finding]) -> None:
         segment, kind, unit = key
         if kind == "stage":
@@ -386,7 +274,7 @@ class StragglerMonitor:
         finding = Finding(
             rank=covered[0], node=node, node_name=names[node] if node < len(names) else f"node{node}",
             segment=segment, dimension=dimension, slowdown=round(j.slowdown, 3), excess_s=round(j.excess_s, 6),
-            confidence=round(_confidence(j.z), 6), window=[j.points[0].step, j.points[-1].step],
+            confidence=round(confidence(j.z), 6), window=[j.points[0].step, j.points[-1].step],
             values=[round(p.value, 6) for p in j.points], peers_median=[round(p.ref, 6) for p in j.points],
             usual=round(math.exp(j.usual), 3), noise=round(sigma, 4),
             since=step, onset=j.onset(), last_step=step, tp=first["tp"], pp=first["pp"], dp=first["dp"],
@@ -395,9 +283,11 @@ class StragglerMonitor:
             self.reported.append(finding)
             self.current[key] = finding
         else:  # the same finding, with the newest evidence
-            vars(found).update({**vars(finding), "since": found.since, "onset": found.onset})
+            vars(found).update({**vars(finding), "since": found.since, "onset": found.onset, "trail": found.trail})
+            finding = found
+        finding.trail = (finding.trail + [finding.confidence])[-_TRAIL:]
 
-    def _rank_dimension(self, rank: int, ranks: dict[int, dict], j: _Window) -> str:
+    def _rank_dimension(self, rank: int, ranks: dict[int, dict], j: Window) -> str:
         """tp when at least half its slowdown shows against its own TP peers too (or its stage is one TP
         group); dp when it is level with them (its whole TP group is slow)."""
         me = ranks[rank]
@@ -408,7 +298,7 @@ class StragglerMonitor:
         against_tp = [p.x_tp for p in j.points if p.x_tp is not None]
         if not against_tp:
             return "dp"
-        return "tp" if _trimmed_mean(against_tp, self.thresholds.trim) >= math.log(j.slowdown) / 2 else "dp"
+        return "tp" if trimmed_mean(against_tp, self.thresholds.trim) >= math.log(j.slowdown) / 2 else "dp"
 
 
 def replay(records: Iterable[dict], ranks_per_node: int, *, segments: Sequence[str] = DEFAULT_SEGMENTS,
@@ -451,7 +341,7 @@ def slowness(records: Iterable[dict], segment: str = "compute",
 def describe(f: Finding) -> str:
     """One line for `megascale status` and the events topic."""
     ms = f"+{f.excess_s * 1e3:.1f} ms/step"
-    evidence = f"steps {f.window[0]}-{f.window[1]}, confidence {f.confidence:.4f}"
+    evidence = f"steps {f.window[0]}-{f.window[1]}, confidence {f.confidence:.5f}"
     if f.dimension == "pp":
         return (f"straggler: stage pp{f.pp} (ranks {f.ranks[0]}-{f.ranks[-1]} on {f.node_name}"
                 f"{'' if len(f.nodes) == 1 else ' and others'}): {f.segment} {f.slowdown:.2f}x its usual pace "

@@ -41,9 +41,10 @@ def evictions(rec: JobRecord, recovery: Recovery, dead: list[str], cfg: JobConfi
 
 
 def straggler_to_evict(findings: Iterable[Finding], control: ControlConfig) -> Optional[Finding]:
-    """The finding `control.evict_stragglers` acts on: reported for at least `straggler_evict_after`
-    judged steps, at `straggler_evict_confidence` or more, and on one node (a stage spread over several
-    nodes names no node to replace). The most confident, then the slowest, of those."""
-    sure = [f for f in findings if f.steps_reported >= control.straggler_evict_after
-            and f.confidence >= control.straggler_evict_confidence and len(f.nodes) == 1]
+    """The finding `control.evict_stragglers` acts on: at `straggler_evict_confidence` or more at each of
+    its last `straggler_evict_after` judged steps, and on one node (a stage spread over several nodes names
+    no node to replace). The most confident, then the slowest, of those."""
+    after = control.straggler_evict_after
+    sure = [f for f in findings if len(f.trail) >= after and min(f.trail[-after:]) >= control.straggler_evict_confidence
+            and len(f.nodes) == 1]
     return max(sure, key=lambda f: (f.confidence, f.slowdown), default=None)

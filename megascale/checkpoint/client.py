@@ -53,11 +53,7 @@ class HostBuffer:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
         self.bytes = None
-        try:
-            self.map.close()
-        except BufferError:  # a view still refers to it; the mapping goes with the last one
-            pass
-        os.close(self.fd)
+        ipc.close_mapping(self.map, self.fd)
 
 
 class KeeperLink:

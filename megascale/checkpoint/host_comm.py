@@ -86,16 +86,16 @@ class HostGroups:
         return [int(o) for o in out]
 
     def dp_broadcast(self, image: Optional[HostBuffer], source: int,
-                     keep: Optional[Callable[[HostBuffer], list[tuple[int, int]]]] = None) -> Optional[HostBuffer]:
-        """The source member's shard image on every member (each its own host buffer); None everywhere
-        if the source had none. `keep(image)`: the byte ranges the members will read, the only ones
-        sent (the rest arrives as zeros); None: all of it."""
+                     keep: Optional[Callable[[HostBuffer], list[tuple[int, int]]]] = None,
+                     buffer: Callable[[int], HostBuffer] = HostBuffer) -> Optional[HostBuffer]:
+        """The source member's shard image on every member (the others' in a `buffer(size)` each);
+        None everywhere if the source had none. `keep(image)`: the byte ranges the members will read,
+        the only ones sent (the rest of their buffers is left as it was); None: all of it."""
         if self.ctx.dp.size == 1:
             return image
         src = self.ctx.dp.ranks[source]
         mine = source == self.ctx.dp.rank
-        ranges = [(0, image.size)] if mine and image is not None and keep is None else \
-            keep(image) if mine and image is not None else []
+        ranges = ([(0, image.size)] if keep is None else keep(image)) if mine and image is not None else []
         n = torch.tensor([image.size if mine and image is not None else -1, len(ranges)], dtype=torch.int64)
         dist.broadcast(n, src=src, group=self.dp)
         size, count = n.tolist()
@@ -103,19 +103,8 @@ class HostGroups:
             return None
         bounds = torch.tensor(ranges, dtype=torch.int64) if mine else torch.empty((count, 2), dtype=torch.int64)
         dist.broadcast(bounds, src=src, group=self.dp)
-        spans = bounds.tolist()
-        if spans == [[0, size]]:  # the whole image: straight into the receivers' buffers
-            if not mine:
-                image = HostBuffer(size)
-            dist.broadcast(image.bytes, src=src, group=self.dp)
-            return image
-        packed = torch.cat([image.bytes[b:e] for b, e in spans]) if mine else \
-            torch.empty(sum(e - b for b, e in spans), dtype=torch.uint8)
-        dist.broadcast(packed, src=src, group=self.dp)
-        if mine:
-            return image
-        image, at = HostBuffer(size), 0
-        for b, e in spans:
-            image.bytes[b:e] = packed[at:at + e - b]
-            at += e - b
+        if not mine:
+            image = buffer(size)
+        for begin, end in bounds.tolist():  # straight between the members' buffers: no packing
+            dist.broadcast(image.bytes[begin:end], src=src, group=self.dp)
         return image

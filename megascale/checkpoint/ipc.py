@@ -72,3 +72,13 @@ def recv(sock: socket.socket, timeout: Optional[float] = None) -> Optional[tuple
 def peer_uid(sock: socket.socket) -> int:
     _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid
+
+
+def close_mapping(mapping, fd: int) -> None:
+    """Closes a shared-memory mapping and its file descriptor; a mapping some view still refers to
+    goes with the last reference instead."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
+    os.close(fd)

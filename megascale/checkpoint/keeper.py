@@ -42,11 +42,7 @@ class Slot:
     snapshot: Optional[dict] = None
 
     def close(self) -> None:
-        try:
-            self.view.close()
-        except BufferError:  # a write still holds a view; the mapping goes with the last reference
-            pass
-        os.close(self.fd)
+        ipc.close_mapping(self.view, self.fd)
 
 
 class Keeper:

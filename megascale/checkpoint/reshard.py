@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ class TPSlice:
     rank: int = 0
 
     @staticmethod
-    def cut(shape, split: Optional[Split], rank: int) -> TPSlice:
+    def cut(shape: Sequence[int], split: Optional[Split], rank: int) -> TPSlice:
         shape = tuple(shape)
         if split is None or split.parts == 1:
             return TPSlice(shape)  # one canonical form, so equal cuts compare equal
@@ -130,7 +130,7 @@ def copy_intervals(dst: list[torch.Tensor], src: list[torch.Tensor], src_at: np.
                    and dst_at[i + count] - dst_at[i + count - 1] == b):
                 count += 1
         else:
-            a = b = n
+            a = b = n  # a single interval: any stride
         s, d = src_at[i], dst_at[i]
         for out, inp in zip(dst, src):
             block = out[d:d + b * (count - 1) + n].as_strided((count, n), (b, 1))
@@ -168,11 +168,11 @@ def held_as(name: str, table: dict, tied: bool) -> str:
 
 def slice_sources(manifest: dict, layout: dict, coords: tuple[int, int, int], sharded: dict[str, ShardedFlat],
                   ) -> Sources:
-    """The old shards holding what rank `coords` (pp, tp, dp) of `layout` needs; `sharded`: its
-    ShardedFlats by id. Every old DP shard of each old (stage, TP rank)
-    holding some of its parameters: of the TP ranks whose slices meet its own, of the stages its
-    layers were on. It takes per-rank state (random streams) from the old rank at its coordinates
-    (same layout, or only DP changed) or else where its slice of the model starts."""
+    """The old shards holding what rank `coords` (pp, tp, dp) of `layout` needs (`sharded`: its
+    ShardedFlats by id): every old DP shard of the old TP ranks whose slices meet its own, on the
+    old stages its parameters were on. It takes per-rank state (random streams) from the old rank
+    at its coordinates (same layout, or only DP changed; its DP index modulo the old DP size), or
+    else from the first of those old TP ranks and stages."""
     old = manifest["layout"]
     pp, tp, dp = coords
     if all(old[k] == layout[k] for k in ("tp", "pp", "vpp")):

@@ -3,9 +3,10 @@ group, or the member that still holds it in host memory), the reads themselves (
 how the shards' contents become this rank's part states (`Assembly`).
 
 A checkpoint restores onto any tp / pp / vpp / dp. Same layout: each rank needs only its own old
-shard. Otherwise a rank needs every old DP shard of the old (stage, TP rank) slices that hold its
-parameters, and a ShardedFlat's pieces are mapped element by element through the parameters' full
-shapes and TP splits, which the manifest records (reshard.py).
+shard. Only dp changed: every old DP shard of its (pp, tp) slice. Otherwise every old DP shard of
+the old (stage, TP rank) slices holding its parameters; one member of the DP group reads each and
+sends the group only the parts it needs, and a ShardedFlat's pieces are mapped element by element
+through the parameters' full shapes and TP splits, which the manifest records (reshard.py).
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class SliceReader:
         self.bytes_read = 0  # shard bytes read from storage
         self.restored_from: dict[str, int] = {}
         self.into: Optional[HostBuffer] = None  # see `load`
+        self.spare: Optional[HostBuffer] = None  # a shard image's buffer, done with: the next one reuses it
 
     def held(self, link: KeeperLink) -> tuple[int, Optional[HostBuffer]]:
         """(index in `keys`, image) of the old shard the keeper holds intact, if this rank needs it;
@@ -113,39 +115,51 @@ class SliceReader:
         assembly = Assembly(plan, manifest, self.sources, ctx.tp.rank)
         reads = plan_reads(len(keys), ctx.dp.rank, ctx.dp.size, self.comm.dp_all_gather(held),
                            self.sources.same_cut, self.every_rank_reads)
-        import time as _t
-        T = {"read": 0.0, "bcast": 0.0, "add": 0.0}
-        for k, source, needed in reads:
-            t0 = _t.perf_counter()
-            data, error = None, None
-            if source in ("self", ctx.dp.rank):
-                data, error = (image, None) if held == k else self._read(step, manifest["shards"][keys[k]])
-                if data is not None:
-                    where = "host memory" if held == k else "storage"
-                    self.restored_from[where] = self.restored_from.get(where, 0) + 1
-            t1 = _t.perf_counter(); T["read"] += t1 - t0
-            if source != "self":  # after a layout change only what the group needs of it is sent
-                data = self.comm.dp_broadcast(data, source, None if self.sources.same_cut else
-                                              lambda image, k=k: assembly.needed_ranges(k, image))
-            t2 = _t.perf_counter(); T["bcast"] += t2 - t1
-            if data is None:
-                return None, error or f"shard {keys[k]} failed on DP rank {source} (see its log)"
-            try:
-                if needed:
-                    assembly.add(k, step, *read_shard(data.fd))
-                T["add"] += _t.perf_counter() - t2
-            except CorruptShard as e:
-                return None, f"{keys[k]}: {e}"
-            finally:
-                if data is not image and data is not into:
-                    data.close()
-        print("TIMING", ctx.rank, {k: round(v, 3) for k, v in T.items()}, flush=True)
+        try:
+            for k, source, needed in reads:
+                data, error = None, None
+                if source in ("self", ctx.dp.rank):
+                    data, error = (image, None) if held == k else self._read(step, manifest["shards"][keys[k]])
+                    if data is not None:
+                        where = "host memory" if held == k else "storage"
+                        self.restored_from[where] = self.restored_from.get(where, 0) + 1
+                if source != "self":  # after a layout change only what the group needs of it is sent
+                    keep = None if self.sources.same_cut else lambda image, k=k: assembly.needed_ranges(k, image)
+                    data = self.comm.dp_broadcast(data, source, keep, self._buffer)
+                if data is None:
+                    return None, error or f"shard {keys[k]} failed on DP rank {source} (see its log)"
+                try:
+                    if needed:
+                        assembly.add(k, step, *read_shard(data.fd))
+                except CorruptShard as e:
+                    return None, f"{keys[k]}: {e}"
+                finally:
+                    if data is not image and data is not into:
+                        self._recycle(data)
+        finally:
+            if self.spare is not None:
+                self.spare.close()
+                self.spare = None
         uncovered = assembly.uncovered()
         return (None, uncovered) if uncovered else (assembly, None)
 
+    def _buffer(self, size: int) -> HostBuffer:
+        """A host buffer for one shard image: the last one done with if it fits (fresh pages are slow)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.size == size:
+            return spare
+        if spare is not None:
+            spare.close()
+        return HostBuffer(size)
+
+    def _recycle(self, buffer: HostBuffer) -> None:
+        if self.spare is not None:
+            self.spare.close()
+        self.spare = buffer
+
     def _read(self, step: int, entry: dict) -> tuple[Optional[HostBuffer], Optional[str]]:
         kept = self.into is not None and self.into.size == entry["bytes"]
-        data = self.into if kept else HostBuffer(entry["bytes"])
+        data = self.into if kept else self._buffer(entry["bytes"])
         self.into = None if kept else self.into
         try:
             read_verified(self.storage, self.storage.path(step_dir(step), entry["file"]),

@@ -25,7 +25,7 @@ from megascale.checkpoint.storage import (
 from megascale.config import (
     ConfigError, JobConfig, ParallelismConfig, PrecisionConfig, from_dict, load_config, with_run_dir,
 )
-from megascale.interop.hf import hf_class, neox_bias_shape, to_hf, to_hf_config
+from megascale.interop.hf import hf_class, to_hf, to_hf_config
 from megascale.model.gpt import GPT
 from megascale.parallel.parallelize import parallelize
 from megascale.parallel.topology import single_device_context
@@ -165,7 +165,7 @@ def export_hf(source: str, out: str | Path, step: Optional[int] = None, max_shar
     written = write_tokenizer(tok, out, m.seq) if tok is not None else "no tokenizer"
     eot = {} if tok is None else {"bos_id" if getattr(tok, "eot_first", False) else "eos_id": tok.eot_id}
     (out / "config.json").write_text(json.dumps(to_hf_config(m, **eot), indent=2) + "\n")
-    save_torch_state_dict(to_hf(m, model.state_dict(), neox_bias_shape(m)), out, max_shard_size=max_shard_size)
+    save_torch_state_dict(to_hf(m, model.state_dict()), out, max_shard_size=max_shard_size)
     shards = sorted(p.name for p in out.glob("model*.safetensors"))
     return (f"step {manifest['step']} of {uri} -> {out}: {cls}, config.json, "
             f"{shards[0] if len(shards) == 1 else f'{len(shards)} safetensors shards + index'}, {written}")

@@ -214,14 +214,20 @@ def fused_sections(m: ModelConfig, ours: str) -> list[int]:
     return [m.ffn, m.ffn]
 
 
-def to_hf(m: ModelConfig, state: Mapping[str, torch.Tensor], bias_shape: Callable[[str], tuple[int, ...]]
-          ) -> dict[str, torch.Tensor]:
-    """transformers' state dict of `hf_class(m)` from the 1-rank GPT's `state` (contiguous copies);
-    `bias_shape(name)` sizes the zero biases."""
+def neox_bias_shape(m: ModelConfig, name: str) -> tuple[int, ...]:
+    """The shape of GPT-NeoX's linear bias `name`."""
+    if name.endswith("query_key_value.bias"):
+        return (3 * m.hidden,)
+    return (m.ffn,) if name.endswith("dense_h_to_4h.bias") else (m.hidden,)
+
+
+def to_hf(m: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' state dict of `hf_class(m)` from the 1-rank GPT's `state`: fp32, each tensor its own
+    contiguous copy (safetensors stores no shared memory)."""
     out: dict[str, torch.Tensor] = {}
     for rule in rules(m):
         if rule.kind == "zero":
-            out[rule.theirs[0]] = torch.zeros(bias_shape(rule.theirs[0]))
+            out[rule.theirs[0]] = torch.zeros(neox_bias_shape(m, rule.theirs[0]))
             continue
         t = state[rule.ours].detach().float().cpu()
         if rule.kind == "fused":
@@ -231,15 +237,6 @@ def to_hf(m: ModelConfig, state: Mapping[str, torch.Tensor], bias_shape: Callabl
         else:  # copy, or shared: the same norm in both places
             out |= {name: t for name in rule.theirs}
     return {name: t.clone().contiguous() for name, t in out.items()}
-
-
-def neox_bias_shape(m: ModelConfig) -> Callable[[str], tuple[int, ...]]:
-    """Shapes of GPT-NeoX's linear biases, by name."""
-    def shape(name: str) -> tuple[int, ...]:
-        if name.endswith("query_key_value.bias"):
-            return (3 * m.hidden,)
-        return (m.ffn,) if name.endswith("dense_h_to_4h.bias") else (m.hidden,)
-    return shape
 
 
 def from_hf(m: ModelConfig, rule: Rule, read: Callable[[str], torch.Tensor], where: str) -> torch.Tensor | None:

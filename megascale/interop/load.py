@@ -26,6 +26,7 @@ from megascale.parallel.topology import Group, ParallelContext
 INIT_PREFIX = "hf:"  # checkpoint.init_from: hf:DIR
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight")
 
 
 def hf_dir_of(init_from: str) -> Path:
@@ -77,7 +78,7 @@ class HFDirectory:
 def _expected_shapes(m: ModelConfig, rule: Rule, ours: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
     """The shape each of `rule.theirs` must have for the job's model."""
     if rule.kind == "zero":
-        return [neox_bias_shape(m)(rule.theirs[0])]
+        return [neox_bias_shape(m, rule.theirs[0])]
     shape = ours[rule.ours]
     if rule.kind == "fused":
         return [(rows, *shape[1:]) for rows in fused_sections(m, rule.ours)]
@@ -100,12 +101,13 @@ def check_hf_dir(m: ModelConfig, path: str | Path) -> None:
                 raise ConfigError(f"{hf.path} {name} has shape {list(hf.shape(name))} but the job's model section "
                                   f"needs {list(shape)}")
         if rule.kind in ("zero", "shared"):  # small tensors, all read here rather than by every rank
-            from_hf(m, rule, hf.read, hf.where)
+            from_hf(m, rule, hf.read, str(hf.path))
         expected.update(rule.theirs)
-    unknown = sorted(name for name in set(hf.files) - expected if not name.endswith(IGNORED_SUFFIXES))
+    # Some saves of a tied model keep the output embedding too; transformers ignores it when tying.
+    ignored = IGNORED_SUFFIXES + (OUTPUT_EMBEDDINGS if m.tied_embeddings else ())
+    unknown = sorted(name for name in set(hf.files) - expected if not name.endswith(ignored))
     if unknown:
-        raise ConfigError(f"{hf.path} holds {unknown[0]}, which megascale's model.arch={m.arch} has no place for"
-                          f"{' (model.tied_embeddings=true)' if m.tied_embeddings else ''}")
+        raise ConfigError(f"{hf.path} holds {unknown[0]}, which megascale's model.arch={m.arch} has no place for")
 
 
 def _tp_slice(full: torch.Tensor, layout: ParamLayout, tp: Group) -> torch.Tensor:
@@ -128,7 +130,7 @@ def load_hf_weights(optimizer, ctx: ParallelContext, m: ModelConfig, path: str |
     for name, start, length, at in flat.pieces:
         # A tied embedding's copy on the last pipeline stage is the input embedding.
         rule = by_name[name] if name in by_name else by_name["wte.weight"]
-        full = from_hf(m, rule, hf.read, hf.where)
+        full = from_hf(m, rule, hf.read, str(hf.path))
         local = _tp_slice(full, flat.params[name], ctx.tp).reshape(-1)
         tensors["master"][at:at + length] = local[start:start + length].to(tensors["master"].device)
     optimizer.load_state_dict({"step": 0, "shard": ShardedFlat(tensors, flat.pieces, flat.params)})

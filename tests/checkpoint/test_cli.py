@@ -43,13 +43,19 @@ def test_train_saves_every_n_steps_and_resume_continues_exactly(tmp_path):
     assert [m["loss"] for m in second] == [m["loss"] for m in first[4:]]
 
 
-def test_a_fresh_job_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, capsys):
-    """Its restarts would restore the other run's newest checkpoint: one line naming the fix."""
+def two_step_job(tmp_path):
+    """A 2-step job checkpointing every 2 steps to tmp_path/ckpt."""
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
         "batch": {"micro": 1, "global": 2}, "checkpoint": {"uri": str(tmp_path / "ckpt"), "every": 2},
         "train": {"steps": 2, "run_dir": str(tmp_path / "runs")}}))
+    return config
+
+
+def test_a_fresh_job_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, capsys):
+    """Its restarts would restore the other run's newest checkpoint: one line naming the fix."""
+    config = two_step_job(tmp_path)
     assert main(["train", str(config), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["train", str(config), "--quiet"]) == 2
@@ -64,11 +70,7 @@ def test_a_fresh_job_refuses_a_uri_holding_another_runs_checkpoints(tmp_path, ca
 
 
 def test_resuming_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path, capsys):
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
-        "batch": {"micro": 1, "global": 2}, "checkpoint": {"uri": str(tmp_path / "ckpt"), "every": 2},
-        "train": {"steps": 2, "run_dir": str(tmp_path / "runs")}}))
+    config = two_step_job(tmp_path)
     try:
         assert main(["train", str(config), "--quiet"]) == 0
     finally:

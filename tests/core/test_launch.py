@@ -54,3 +54,14 @@ def test_comm_timeout_is_the_process_group_timeout():
     with pytest.raises(RuntimeError, match="rank 0 failed: .*[Tt]imed out"):
         run_ranks(_late_rank_joins_after, Layout(dp=2), 30.0, comm=CommConfig(timeout_s=TIMEOUT_S))
     assert time.monotonic() - started < 20  # rank 0 gave up after comm.timeout_s, not after rank 1's 30 s
+
+
+def _cosine_with_threads(ctx) -> int:
+    torch.rand(100_000, dtype=torch.float64).cos()  # MKL's threaded vector math: hangs in a fork-unsafe child
+    return torch.get_num_threads()
+
+
+def test_ranks_forked_from_a_process_that_ran_threaded_torch_do_not_hang():
+    torch.set_num_threads(2)
+    torch.rand(100_000, dtype=torch.float64).cos()  # the parent's OpenMP pool now exists
+    assert run_ranks(_cosine_with_threads, Layout()) == [1]

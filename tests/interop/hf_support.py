@@ -8,6 +8,7 @@ from megascale.config import JobConfig, from_dict
 from megascale.launch import run_ranks
 from megascale.model.gpt import GPT
 from megascale.parallel.state import full_stage_parameters
+from megascale.parallel.topology import single_device_context
 from megascale.train import Trainer, checkpoint_parts, layout_of
 
 transformers = __import__("pytest").importorskip("transformers")
@@ -43,8 +44,12 @@ def _train_and_save(ctx, cfg: JobConfig) -> dict[str, torch.Tensor]:
 
 
 def train_and_checkpoint(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    """Trains `cfg` at its layout, committing a checkpoint at its last step; the trained weights by name."""
+    """Trains `cfg` at its layout, committing a checkpoint at its last step; the trained weights by name.
+    One rank trains in this process: a rank forked after this process ran multi-threaded torch ops hangs
+    in OpenMP once init_rank gives it more than one thread."""
     try:
+        if layout_of(cfg).world_size == 1:
+            return _train_and_save(single_device_context(), cfg)
         stages = run_ranks(_train_and_save, layout_of(cfg), cfg, sequence_parallel=cfg.parallelism.sequence_parallel)
     finally:
         shutdown_keeper(cfg.checkpoint.uri)

@@ -4,10 +4,13 @@ within 1e-4 (fp32, 1 rank), and a llama parallel block (PTB) equals x + LlamaAtt
 LlamaMLP(n(x)) with one shared LlamaRMSNorm n. Norm weights are randomised so their placement counts."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megascale.config import ModelConfig
+from megascale.interop.hf import to_hf, to_hf_config
 from megascale.model.gpt import GPT
 
 transformers = pytest.importorskip("transformers")
@@ -32,33 +35,15 @@ def _megascale_model(cfg: ModelConfig) -> GPT:
 
 
 def _hf_config(cfg: ModelConfig, attn_implementation: str = "eager"):
-    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                  num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.seq, rms_norm_eps=cfg.norm_eps,
-                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
-                  tie_word_embeddings=False, attn_implementation=attn_implementation)
-    if cfg.window is None:
-        return transformers.LlamaConfig(**common)
-    return transformers.MistralConfig(sliding_window=cfg.window, **common)
+    """transformers' config object for megascale.interop's config.json of `cfg`."""
+    config = to_hf_config(cfg)
+    return transformers.AutoConfig.for_model(config.pop("model_type"), attn_implementation=attn_implementation,
+                                             **config)
 
 
-def _layer_weights(block: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """One block's linears under transformers' names; fused q|k|v and gate|up split by their sections."""
-    q, k, v = block.attn.qkv.weight.split(block.attn.qkv.sections)
-    gate, up = block.mlp.fc.weight.split(block.mlp.fc.sections)
-    return {"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
-            "self_attn.o_proj.weight": block.attn.proj.weight, "mlp.gate_proj.weight": gate,
-            "mlp.up_proj.weight": up, "mlp.down_proj.weight": block.mlp.proj.weight}
-
-
-def _hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": model.wte.weight, "model.norm.weight": model.ln_f.weight,
-           "lm_head.weight": model.lm_head.weight}
-    for i, block in model.blocks.items():
-        weights = _layer_weights(block) | {"input_layernorm.weight": block.ln_1.weight,
-                                           "post_attention_layernorm.weight": block.ln_2.weight}
-        out |= {f"model.layers.{i}.{name}": t for name, t in weights.items()}
-    return {name: t.detach().clone() for name, t in out.items()}
+def _hf_state_dict(cfg: ModelConfig, model: GPT) -> dict[str, torch.Tensor]:
+    """The megascale weights under transformers' names, by megascale.interop's mapping."""
+    return to_hf(cfg, model.state_dict())
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["llama", "mistral_window"])
@@ -67,7 +52,7 @@ def test_llama_logits_equal_transformers_with_the_same_weights(window):
     ours = _megascale_model(cfg)
     config = _hf_config(cfg)
     theirs = (transformers.LlamaForCausalLM if window is None else transformers.MistralForCausalLM)(config).eval()
-    missing, unexpected = theirs.load_state_dict(_hf_state_dict(ours), strict=False)
+    missing, unexpected = theirs.load_state_dict(_hf_state_dict(cfg, ours), strict=False)
     assert not unexpected and all("rotary" in name for name in missing), (missing, unexpected)
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -82,13 +67,21 @@ def test_llama_logits_equal_transformers_with_the_same_weights(window):
 def test_llama_parallel_block_is_x_plus_llama_attention_and_mlp_of_one_shared_rmsnorm():
     cfg = _tiny(block="parallel")
     block = _megascale_model(cfg).blocks["0"]
-    config = _hf_config(cfg, attn_implementation="sdpa")  # sdpa: causal without an explicit mask
-    weights = {name: t.detach() for name, t in _layer_weights(block).items()}
+    # transformers has no llama PTB: its weights are named through a serial twin whose two norms are the PTB's one.
+    serial_cfg = dataclasses.replace(cfg, block="serial")
+    twin = GPT(serial_cfg)
+    linears = {f"blocks.0.{name}": t for name, t in block.state_dict().items() if not name.startswith("ln.")}
+    norms = {f"blocks.0.{name}.weight": block.ln.weight for name in ("ln_1", "ln_2")}
+    twin.load_state_dict({**twin.state_dict(), **linears, **norms})
+    layer = "model.layers.0."
+    weights = {name.removeprefix(layer): t for name, t in _hf_state_dict(serial_cfg, twin).items()
+               if name.startswith(layer)}
+    config = _hf_config(serial_cfg, attn_implementation="sdpa")  # sdpa: causal without an explicit mask
     attn, mlp = llama_modules.LlamaAttention(config, layer_idx=0), llama_modules.LlamaMLP(config)
     attn.load_state_dict({name.removeprefix("self_attn."): t for name, t in weights.items() if "self_attn." in name})
-    mlp.load_state_dict({name.removeprefix("mlp."): t for name, t in weights.items() if "mlp." in name})
+    mlp.load_state_dict({name.removeprefix("mlp."): t for name, t in weights.items() if name.startswith("mlp.")})
     norm = llama_modules.LlamaRMSNorm(cfg.hidden, eps=cfg.norm_eps)
-    norm.load_state_dict(block.ln.state_dict())
+    norm.load_state_dict({"weight": weights["input_layernorm.weight"]})
     x = torch.randn(2, cfg.seq, cfg.hidden, generator=torch.Generator().manual_seed(2))
     cos, sin = llama_modules.LlamaRotaryEmbedding(config)(x, torch.arange(cfg.seq)[None])
     with torch.no_grad():

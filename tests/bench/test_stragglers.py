@@ -1,0 +1,52 @@
+"""`megascale bench stragglers`'s trials, on a recorded fault-free run of the main example (the live run
+itself takes minutes: the benchmark's to run, not the tests')."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from megascale.bench import stragglers as bench
+from megascale.config import ControlConfig
+from megascale.driver.metrics.stragglers import segment_value
+
+TRACE = Path(__file__).parents[1] / "driver" / "metrics" / "data" / "gpt-tiny-8-ranks.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def steps() -> list[dict[int, dict]]:
+    with gzip.open(TRACE, "rt") as f:
+        return bench.by_step([json.loads(line) for line in f])
+
+
+def test_a_slowed_step_stays_in_lockstep(steps):
+    step = steps[40]
+    slowed = bench.slow_down(step, 6, 2.0)
+    extra = segment_value(step[6], "compute")
+    assert segment_value(slowed[6], "compute") == pytest.approx(2 * extra)
+    for rank in step:  # every rank's step grows by the same seconds; only the slow rank's compute does
+        assert slowed[rank]["total"] == pytest.approx(step[rank]["total"] + extra)
+        if rank != 6:
+            assert segment_value(slowed[rank], "compute") == pytest.approx(segment_value(step[rank], "compute"))
+    assert slowed[7]["segments"]["exposed_tp"] > step[7]["segments"]["exposed_tp"]  # its TP peer waits on TP
+    assert slowed[0]["segments"]["exposed_pp"] > step[0]["segments"]["exposed_pp"]  # the other stage, on PP
+
+
+def test_replayed_trials_on_the_recorded_run_meet_the_goals(steps):
+    warmup, clean = steps[:5], [steps[5:]]
+    fault_free, faulted = bench.replayed_trials(warmup, clean, 16, 4, ControlConfig(evict_stragglers=True))
+    result = bench.summary(fault_free, faulted)
+    assert {s["rank"] for s in faulted} == set(range(8))  # every position of tp2 pp2 dp2
+    assert all(1.3 <= s["factor"] <= 3.0 for s in faulted)
+    assert sum(s["rank_steps"] for s in fault_free) == 16 * bench.TRIAL_STEPS * 8
+    assert result["false_positives_per_10k_rank_steps"] == 0 and result["wrong_evictions"] == 0
+    assert result["recall_1.5-3.0"] == 1.0 and result["precision"] == 1.0
+    assert result["detect_steps_median"] <= 10
+    assert bench.meets({**result, "recall_1.3-1.5": 0.8}) and not bench.meets({**result, "wrong_evictions": 1})
+
+
+def test_the_main_example_is_the_benchmarks_shape():
+    cfg = bench.main_example(10)
+    assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.dp, cfg.ranks_per_node) == (2, 2, 2, 4)
+    assert cfg.data.source == "synthetic" and cfg.train.steps == 10
