@@ -5,14 +5,8 @@ torch.distributed, so `init_process_group(init_method="redis://...")` works afte
 """
 from megascale.rendezvous.embedded import EmbeddedRedis, start_embedded
 from megascale.rendezvous.groups import GroupSpec, group_specs, world_group_specs
-from megascale.rendezvous.redis_store import (
-    RedisStore,
-    RendezvousError,
-    RendezvousTimeout,
-    join,
-    register_handler,
-    store_from_url,
-)
+from megascale.rendezvous.init_method import join, register_handler, store_from_url
+from megascale.rendezvous.redis_store import RedisStore, RendezvousError, RendezvousTimeout
 
 register_handler()
 
