@@ -42,6 +42,7 @@ setup(
         "huggingface_hub",  # sharded safetensors in `megascale export` (save_torch_state_dict)
         "kubernetes>=37",
         "prometheus_client",  # the driver's /metrics exposition
+        "tensorboard",  # experiment logs: event files beside metrics.jsonl (megascale/experiment_log.py)
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "ruff", "kubernetes-validate", "jsonschema", "import-linter",

@@ -100,6 +100,29 @@ class Dataset:
     def shard_tokens(self) -> np.ndarray:
         return np.array([s.tokens for s in self.shards], dtype=np.int64)
 
+    def document_tokens(self) -> np.ndarray:
+        """int64 [documents]: every document's length, from the index (no shard is read)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        entry = self.manifest.get("index") or {}
+        if not entry.get("file"):
+            raise DataError(f"{self.root / MANIFEST}: no document index (prepare the dataset again)")
+        path = self.root / entry["file"]
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise DataError(f"{path}: missing (listed in {MANIFEST})") from None
+        if sha256_bytes(data) != entry["sha256"]:
+            raise DataError(f"{path}: checksum does not match {MANIFEST}")
+        table = pq.read_table(pa.BufferReader(data), columns=["doc", "tokens"])
+        order = np.argsort(table.column("doc").to_numpy())
+        lengths = table.column("tokens").to_numpy().astype(np.int64)[order]
+        if len(lengths) != self.documents or int(lengths.sum()) != self.tokens:
+            raise DataError(f"{path}: manifest mismatch: the index lists {len(lengths)} documents / "
+                            f"{int(lengths.sum())} tokens, the manifest {self.documents} / {self.tokens}")
+        return lengths
+
     def read_shard(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, offsets): document d of the shard is tokens[offsets[d]:offsets[d+1]]."""
         import pyarrow as pa

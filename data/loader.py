@@ -23,12 +23,14 @@ import socket
 import sys
 import time
 
+from megascale.checkpoint.ipc import peer_uid
 from megascale.data import DataError
 from megascale.data.dataset import Dataset
 from megascale.data.node import STATS, LoaderConfig
 from megascale.data.stream import Stream
 
 IDLE_POLL_S = 0.2  # how often an idle loader checks that its parent rank is alive
+MAX_LINE = 4096
 
 
 class _Rank:
@@ -67,7 +69,7 @@ class Loader:
     def run(self) -> int:
         try:
             self.ds = Dataset(self.cfg.dataset)
-            self.stream = Stream(self.ds, self.cfg.seed, self.cfg.window)
+            self.stream = Stream(self.ds, self.cfg.seed, self.cfg.window, holdout=self.cfg.holdout)
         except DataError as e:
             self.fatal = str(e)
         while True:
@@ -83,6 +85,9 @@ class Loader:
             for s in readable:
                 if s is self.listener:
                     conn, _ = s.accept()
+                    if peer_uid(conn) != os.getuid():  # abstract sockets have no file permissions
+                        conn.close()
+                        continue
                     self.ranks[conn] = _Rank(conn)
                 else:
                     self._receive(self.ranks[s])
@@ -123,7 +128,12 @@ class Loader:
         r.buf += data
         while b"\n" in r.buf:
             line, r.buf = r.buf.split(b"\n", 1)
-            self._handle(r, line.decode().split(" "))
+            try:
+                self._handle(r, line.decode().split(" "))
+            except (ValueError, IndexError):  # a malformed line (UnicodeDecodeError too): not the loader's end
+                self._send(r, f"E malformed message {line[:40]!r}")
+        if len(r.buf) > MAX_LINE:  # no line of this protocol is that long
+            self._drop(r)
 
     def _handle(self, r: _Rank, msg: list[str]) -> None:
         kind = msg[0]

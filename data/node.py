@@ -105,6 +105,7 @@ class LoaderConfig:
     consumers: tuple[int, ...]
     socket: str
     connect_timeout: float
+    holdout: float = 0.0  # eval.split: this share of the documents is never trained on
 
     @property
     def layout(self) -> Layout:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from megascale.checkpoint.ipc import ForeignPeer, check_server
 from megascale.data import DataError
 from megascale.data.dataset import Dataset
 from megascale.data.node import (
@@ -41,6 +42,17 @@ class Batch(NamedTuple):
     labels: torch.Tensor  # int64 [rows, seq]; -100 where the next token starts another document
     position_ids: torch.Tensor  # int64 [rows, seq]: offset within the document (0 = a document starts)
     document_ids: torch.Tensor  # int64 [rows, seq]: equal ids = same document (mask attention with this)
+
+
+def to_batch(tokens: np.ndarray, docs: np.ndarray, pos: np.ndarray) -> Batch:
+    """[rows, seq + 1] tokens, document ids and positions -> a Batch; shifts, widens and masks with one copy
+    per output, so views of shared memory are not kept."""
+    input_ids = tokens[:, :-1].astype(np.int64)
+    labels = tokens[:, 1:].astype(np.int64)
+    labels[docs[:, 1:] != docs[:, :-1]] = -100  # never predict across a document boundary
+    position_ids = pos[:, :-1].astype(np.int64)
+    document_ids = docs[:, :-1].copy()
+    return Batch(*(torch.from_numpy(a) for a in (input_ids, labels, position_ids, document_ids)))
 
 
 class ShardBatchSource:
@@ -94,25 +106,19 @@ class ShardBatchSource:
             self._error = e
             raise
         layout = self.cfg.layout
-        tokens, docs, pos = layout.block(self._buf, slot, self._j)
-        # Shift, widen and mask straight out of shared memory: each output is one copy.
-        input_ids = tokens[:, :-1].astype(np.int64)
-        labels = tokens[:, 1:].astype(np.int64)
-        labels[docs[:, 1:] != docs[:, :-1]] = -100  # never predict across a document boundary
-        position_ids = pos[:, :-1].astype(np.int64)
-        document_ids = docs[:, :-1].copy()
+        batch = to_batch(*layout.block(self._buf, slot, self._j))  # views into shared memory, copied once
         stamp = tuple(layout.stamp(self._buf, slot))
-        del tokens, docs, pos  # views pin the mapping; close() needs them gone
         if stamp != (self._gen, n):
             raise DataError(f"shared-memory slot {slot} holds batch {stamp}, expected {(self._gen, n)} (loader bug)")
         self._send(f"C {self._gen} {n + 1}")
         self._n += 1
-        return Batch(*(torch.from_numpy(a) for a in (input_ids, labels, position_ids, document_ids)))
+        return batch
 
     def state_dict(self) -> dict:
         sequence = self._start + self._n * self.cfg.batch_sequences
         return {
             "version": STATE_VERSION, "sequence": sequence, "seq": self.cfg.seq, "seed": self.cfg.seed,
+            "holdout": self.cfg.holdout,
             "dataset": self.ds.fingerprint, **self.stream.describe(sequence, self.cfg.seq),
         }
 
@@ -131,6 +137,9 @@ class ShardBatchSource:
         if (seq, seed) != (self.cfg.seq, self.cfg.seed):
             raise DataError(f"data state has seq={seq} seed={seed}, "
                             f"the job has seq={self.cfg.seq} seed={self.cfg.seed}")
+        holdout = state.get("holdout", 0.0)  # states saved before eval.split existed held nothing out
+        if holdout != self.cfg.holdout:  # the same sequence number would name other samples
+            raise DataError(f"data state has eval.split={holdout}, the job has eval.split={self.cfg.holdout}")
         self._reposition(sequence)
 
     def close(self) -> None:
@@ -182,9 +191,13 @@ class ShardBatchSource:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect("\0" + self.cfg.socket)
+                check_server(sock, f"the node {self.node} data loader's socket")
                 break
             except (ConnectionRefusedError, FileNotFoundError):
                 sock.close()
+            except ForeignPeer as e:  # before a word is sent: it would feed this rank its data
+                sock.close()
+                raise DataError(str(e)) from None
             if self._proc is not None and self._proc.poll() is not None:
                 raise DataError(f"the node {self.node} data loader exited with code {self._proc.returncode} "
                                 "before accepting ranks (its error is on stderr)")
@@ -264,6 +277,21 @@ def _field(data_cfg: Any, name: str) -> Any:
     return getattr(data_cfg, name, None) if getattr(data_cfg, name, None) is not None else DEFAULTS[name]
 
 
+def open_dataset(source: str, path: str | os.PathLike, tokenizer: str, *, run_dir: str | os.PathLike,
+                 vocab: int | None) -> Dataset:
+    """The prepared dataset of `path`: a shards directory, or text prepared into run_dir once."""
+    if source == "text":
+        from megascale.data.prepare import prepare_cached
+
+        root = prepare_cached(path, run_dir, tokenizer=tokenizer, vocab=vocab if tokenizer == "bpe" else None)
+    else:
+        root = Path(path)
+    ds = Dataset(root)
+    if vocab is not None and ds.vocab_size > vocab:
+        raise DataError(f"{root}: tokenizer vocab_size={ds.vocab_size} exceeds model.vocab={vocab}")
+    return ds
+
+
 def make_batch_source(
     data_cfg: Any,
     *,
@@ -280,11 +308,13 @@ def make_batch_source(
     ranks_per_node: int | None = None,
     run_dir: str | os.PathLike,
     vocab: int | None = None,
+    holdout: float = 0.0,
 ) -> ShardBatchSource | None:
     """This rank's batches for data.source "shards" (a prepared dir) or "text" (prepared into run_dir once).
 
     Returns None for "synthetic". `ranks_per_node` defaults to the whole world on one machine;
-    `vocab` (the model's) is checked against the tokenizer, and sizes the BPE for "text".
+    `vocab` (the model's) is checked against the tokenizer, and sizes the BPE for "text"; `holdout`
+    (eval.split) is the share of documents kept out of training for validation.
     """
     source = data_cfg.source
     if source == "synthetic":
@@ -303,24 +333,16 @@ def make_batch_source(
         raise DataError(f"data.prefetch={depth}: must be >= 1 batch")
     check_platform()
 
-    if source == "text":
-        from megascale.data.prepare import prepare_cached
-
-        tokenizer = _field(data_cfg, "tokenizer")
-        root = prepare_cached(data_cfg.path, run_dir, tokenizer=tokenizer, vocab=vocab if tokenizer == "bpe" else None)
-    else:
-        root = Path(data_cfg.path)
-    ds = Dataset(root)
-    if vocab is not None and ds.vocab_size > vocab:
-        raise DataError(f"{root}: tokenizer vocab_size={ds.vocab_size} exceeds model.vocab={vocab}")
-    stream = Stream(ds, seed, window)
+    ds = open_dataset(source, data_cfg.path, _field(data_cfg, "tokenizer"), run_dir=run_dir, vocab=vocab)
+    stream = Stream(ds, seed, window, holdout=holdout)
     rows = microbatches * micro
     stream.check_fill(seq, dp_size * rows)
     plan = node_plan(global_rank, ranks_per_node, tp_size, dp_size, pp_size)
     cfg = LoaderConfig(
-        dataset=str(root.resolve()), dataset_fingerprint=ds.fingerprint, seed=seed, window=stream.window,
+        dataset=str(ds.root.resolve()), dataset_fingerprint=ds.fingerprint, seed=seed, window=stream.window,
         seq=seq, rows=rows, batch_sequences=dp_size * rows, depth=depth, local_dps=plan.local_dps,
         consumers=plan.consumers, socket=socket_name(str(run_dir), plan.node), connect_timeout=CONNECT_TIMEOUT_S,
+        holdout=holdout,
     )
     return ShardBatchSource(ds, stream, cfg, dp_rank=dp_rank, global_rank=global_rank, node=plan.node,
                             consumer=global_rank in plan.consumers, leader=global_rank == plan.leader)

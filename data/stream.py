@@ -8,6 +8,9 @@ overlap by one token, so every token but the very first is a label exactly once 
 
 Because the order is a function of the sample number, loader state is one integer: the next
 global sequence. Epoch, window and offset are derived from it, and the "RNG state" is (seed, epoch).
+
+With `holdout` (eval.split) a fixed share of the documents is held out for validation: the training
+stream skips them and a `read_held_out` stream reads only them, in the same two-level order.
 """
 from __future__ import annotations
 
@@ -41,6 +44,22 @@ def permutation(n: int, *key: int) -> np.ndarray:
     return np.argsort(z ^ (z >> np.uint64(31)), kind="stable")
 
 
+# The held-out documents depend on the dataset alone: not on data.seed, so changing the shuffle never moves
+# a document between training and validation.
+HOLDOUT_KEY = 0x5EED0E7A1
+
+
+def held_out_documents(documents: int, fraction: float) -> np.ndarray:
+    """bool [documents]: the validation documents, ceil(fraction * documents) of them, by a fixed shuffle."""
+    count = int(np.ceil(fraction * documents))
+    if not 0 < count < documents:
+        raise DataError(f"eval.split={fraction}: holds out {count} of the dataset's {documents} documents; "
+                        "both validation and training need at least one")
+    held = np.zeros(documents, dtype=bool)
+    held[permutation(documents, HOLDOUT_KEY)[:count]] = True
+    return held
+
+
 class _Window(NamedTuple):
     tokens: np.ndarray  # the window's documents, permuted and concatenated
     starts: np.ndarray  # int64 [docs + 1]: where each document starts in `tokens`
@@ -48,7 +67,8 @@ class _Window(NamedTuple):
 
 
 class Stream:
-    def __init__(self, ds: Dataset, seed: int, window: int, cache: int = 3) -> None:
+    def __init__(self, ds: Dataset, seed: int, window: int, cache: int = 3, *, holdout: float = 0.0,
+                 read_held_out: bool = False) -> None:
         if seed < 0:
             raise DataError(f"data.seed={seed}: must be >= 0")
         if window < 1:
@@ -57,6 +77,13 @@ class Stream:
         self.window = min(window, len(ds.shards))
         self.epoch_tokens = ds.tokens
         self._shard_tokens = ds.shard_tokens
+        self._keep: np.ndarray | None = None  # bool per document; None = every document
+        if holdout:
+            held = held_out_documents(ds.documents, holdout)
+            self._keep = held if read_held_out else ~held
+            kept = np.where(self._keep, ds.document_tokens(), 0)
+            self._shard_tokens = np.add.reduceat(kept, [s.first_doc for s in ds.shards])
+            self.epoch_tokens = int(self._shard_tokens.sum())
         self._cache: OrderedDict[tuple[int, int], _Window] = OrderedDict()
         self._cache_size = cache
         self._epoch: tuple[int, list[np.ndarray], np.ndarray] | None = None
@@ -102,9 +129,12 @@ class Stream:
             ids.append(self.ds.shards[shard].first_doc + np.arange(len(offsets) - 1))
             base += len(toks)
         flat, length, first, doc_ids = (np.concatenate(a) for a in (tokens, lengths, firsts, ids))
+        if self._keep is not None:
+            kept = self._keep[doc_ids]
+            length, first, doc_ids = length[kept], first[kept], doc_ids[kept]
         perm = permutation(len(length), self.seed, epoch, 1, w)
         # A loop over documents, not a gather index: that index would cost 8 bytes per token.
-        packed = np.concatenate([flat[a:a + n] for a, n in zip(first[perm], length[perm])])
+        packed = np.concatenate([flat[:0]] + [flat[a:a + n] for a, n in zip(first[perm], length[perm])])
         starts = np.zeros(len(perm) + 1, dtype=np.int64)
         np.cumsum(length[perm], out=starts[1:])
         self._cache[key] = win = _Window(packed, starts, doc_ids[perm])

@@ -45,7 +45,8 @@ class Backend(ABC):
 
     @abstractmethod
     def evict(self, node: str) -> None:
-        """Stop the node and keep its machine out of this job (Kubernetes: cordon it)."""
+        """Stop the node and keep its machine out of this job (Kubernetes: anti-affinity; the operator cordons
+        the machine only if it failed its self-check)."""
 
     @abstractmethod
     def log_files(self, node: str) -> list[Path]:

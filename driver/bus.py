@@ -3,9 +3,13 @@
 Only the plain produce/fetch API is used, so a real Kafka cluster and the embedded tansu
 broker behave the same. The reader skips consumer groups: joining one costs half the session
 timeout, and the driver is the only reader of its topics.
+
+With the job's secrets in the environment (`megascale.common.auth`), producers sign every record
+and readers drop, counting them by reason, the records that fail the signature.
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import Optional
 
@@ -13,17 +17,24 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from megascale.common.auth import BadRecord, Signer, env_signer
+
 from . import log
 
 REFRESH_S = 1.0
+LOGGED_PER_REASON = 10  # then every 1000th: a flood of junk must not flood the log
 
 
 def make_producer(bootstrap: str, **overrides) -> KafkaProducer:
+    """A producer whose records (encoded messages) are signed with the job's key, when there is one."""
     # No idempotence: a restarted broker forgets producer ids and an idempotent producer then
     # fails every send; our messages are either periodic or harmless to duplicate.
     options = dict(bootstrap_servers=bootstrap, enable_idempotence=False, acks=1, linger_ms=5, max_block_ms=1000,
                    request_timeout_ms=5000, delivery_timeout_ms=15000, reconnect_backoff_max_ms=1000,
                    metadata_max_age_ms=5000)
+    signer = env_signer()
+    if signer is not None:
+        options["value_serializer"] = signer.sign
     return KafkaProducer(**{**options, **overrides})
 
 
@@ -51,8 +62,11 @@ class TopicReader:
     """
 
     def __init__(self, bootstrap: str, topic: str, offsets: Optional[dict[int, int]] = None,
-                 topic_id: Optional[str] = None, **overrides):
+                 topic_id: Optional[str] = None, verify: bool = True, **overrides):
         self.topic = topic
+        # verify=False: the caller checks signatures itself (HeartbeatIngest, which counts them with its other drops).
+        self.signer: Optional[Signer] = env_signer() if verify else None
+        self.rejected: collections.Counter[str] = collections.Counter()  # by BadRecord.reason: a few keys
         self._start = dict(offsets or {})
         self._topic_id = topic_id
         options = dict(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
@@ -81,7 +95,20 @@ class TopicReader:
         for tp, records in batches.items():
             if records:
                 self.offsets[tp.partition] = records[-1].offset + 1
-                out += records
+                out += records if self.signer is None else self._verified(records)
+        return out
+
+    def _verified(self, records: list) -> list:
+        """The records that carry the job's signature, with it stripped; the rest dropped and counted."""
+        out = []
+        for record in records:
+            try:
+                out.append(record._replace(value=self.signer.open(record.value)))
+            except BadRecord as e:
+                self.rejected[e.reason] += 1
+                n = self.rejected[e.reason]
+                if n <= LOGGED_PER_REASON or n % 1000 == 0:
+                    log.warning("dropped a record on %s: %s (%d so far)", self.topic, e.reason, n)
         return out
 
     def _refresh(self) -> None:

@@ -151,7 +151,7 @@ def _corrupt(checkpoint: CheckpointConfig) -> str:
     if not checkpoint.uri:
         raise ChaosError("corrupt-checkpoint: the job has no checkpoint.uri")
     try:
-        storage = open_storage(checkpoint.uri, checkpoint.filesystem)
+        storage = open_storage(checkpoint.uri, checkpoint.filesystem, checkpoint.filesystem_options)
         steps = committed_steps(storage)
         if not steps:
             raise ChaosError(f"corrupt-checkpoint: no committed checkpoint under {checkpoint.uri} yet")

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import redis
 
+from megascale.common.auth import SecretsError, redacted
 from megascale.config import load_config
 
 from .chaos import ALIASES, KINDS
@@ -130,11 +131,13 @@ def _live_store(handle: JobHandle) -> JobStore:
     if not handle.live():
         state = (handle.final or {}).get("state", "ended")
         raise CommandError(f"job {handle.job!r} is not running (last state: {state})")
-    store = JobStore.from_url(handle.redis_url, handle.job, timeout_s=3)
     try:
+        store = JobStore.from_url(handle.redis_url, handle.job, timeout_s=3, secrets=handle.job_secrets())
         store.r.ping()
+    except SecretsError as e:
+        raise CommandError(f"job {handle.job!r}: {e}") from None
     except redis.RedisError:
-        raise CommandError(f"job {handle.job!r}: its Redis at {handle.redis_url} is unreachable") from None
+        raise CommandError(f"job {handle.job!r}: its Redis at {redacted(handle.redis_url)} is unreachable") from None
     return store
 
 

@@ -30,6 +30,9 @@ def headline(job: str, status: dict) -> Text:
     text.append(f"  step {_num(status.get('step'), 'd')}{f'/{total}' if total else ''}"
                 f"  loss {_num(status.get('loss'), '.4f')}  {_num(status.get('tokens_per_s'), ',.0f')} tok/s"
                 f"  restarts {status.get('restarts', 0)}")
+    if status.get("val_loss") is not None:  # the newest validation (eval.every)
+        text.append(f"\nval_loss {_num(status['val_loss'], '.4f')}  val_ppl {_num(status.get('val_ppl'), '.2f')}"
+                    f"  at step {_num(status.get('val_step'), 'd')}")
     recoveries = status.get("recoveries") or []
     if status.get("driver"):  # a driver's view: the reliability figures and where to scrape it
         text.append(f"\nETTR {_num(status.get('ettr'), '.2f')}  MTTR {_num(status.get('mttr_s'), '.1f')} s"
@@ -67,7 +70,7 @@ def job_table(job: str, status: dict, live: bool = True) -> Group:
 
 def jobs_table(rows: list[tuple[str, dict]]) -> Table:
     table = Table(box=None, pad_edge=False)
-    for column in ("job", "state", "step", "loss", "tok/s", "nodes", "restarts"):
+    for column in ("job", "state", "step", "loss", "val_loss", "tok/s", "nodes", "restarts"):
         table.add_column(column)
     for job, s in rows:
         nodes = s.get("nodes", [])
@@ -75,7 +78,7 @@ def jobs_table(rows: list[tuple[str, dict]]) -> Table:
         up = sum(1 for n in active if n.get("alive"))
         state = s.get("state", "?")
         table.add_row(job, Text(state, style=STATE_STYLE.get(state, "")), _num(s.get("step"), "d"),
-                      _num(s.get("loss"), ".4f"), _num(s.get("tokens_per_s"), ",.0f"),
+                      _num(s.get("loss"), ".4f"), _num(s.get("val_loss"), ".4f"), _num(s.get("tokens_per_s"), ",.0f"),
                       f"{up}/{len(active)} up" if active else "-", str(s.get("restarts", 0)))
     return table
 

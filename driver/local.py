@@ -1,7 +1,10 @@
 """The local backend: each node is an executor process on this machine, in its own session.
 
 Node pids live in Redis so a restarted driver (or `megascale stop` from another shell) can find
-and stop nodes it did not start; (pid, start time) pairs guard against pid reuse.
+and stop nodes it did not start; (pid, start time) pairs guard against pid reuse. A record is
+believed only if it carries the job's HMAC (when the job has a key) and names a live process whose
+command line is this node's executor: whoever can write to Redis still cannot make the driver
+signal a process it did not start.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from typing import Optional
 import psutil
 import redis
 
+from megascale.common.auth import BadRecord, env_signer
+
 from . import log
 from .backend import Backend, NodeInfo, NodeLaunch
 
@@ -26,6 +31,7 @@ class LocalBackend(Backend):
         self.launch, self.r = launch, client
         self.key = f"megascale:{{{launch.job}}}:local"
         self._children: dict[str, subprocess.Popen] = {}
+        self.signer = env_signer()
 
     def work_dir(self, node: str) -> Path:
         return Path(self.launch.run_dir) / "nodes" / node
@@ -44,21 +50,38 @@ class LocalBackend(Backend):
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, start_new_session=True)
             self._children[node] = proc
-            self.r.hset(self.key, node, json.dumps({"pid": proc.pid, "ctime": _ctime(proc.pid)}))
+            record = json.dumps({"node": node, "pid": proc.pid, "ctime": _ctime(proc.pid)}).encode()
+            self.r.hset(self.key, node, self.signer.sign(record) if self.signer else record)
             log.info("started node %s (pid %d)", node, proc.pid)
 
     def _process(self, node: str, raw: Optional[bytes]) -> Optional[psutil.Process]:
-        if node in self._children and self._children[node].poll() is not None:
-            return None  # reaped here
+        child = self._children.get(node)
+        try:
+            if child is not None:  # started by this process: its Popen is proof enough (even before its exec)
+                return None if child.poll() is not None else psutil.Process(child.pid)
+            info = self._record(node, raw)
+            if info is None:
+                return None
+            proc = psutil.Process(info["pid"])
+            if info["ctime"] is None or abs(proc.create_time() - info["ctime"]) > 0.5:
+                return None  # the pid now belongs to someone else
+            if proc.status() == psutil.STATUS_ZOMBIE or not _is_executor(proc.cmdline(), self.launch.job, node):
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def _record(self, node: str, raw: Optional[bytes]) -> Optional[dict]:
+        """The node's (pid, start time) record if a component of this job wrote it, else None (logged)."""
         if not raw:
             return None
-        info = json.loads(raw)
         try:
-            proc = psutil.Process(info["pid"])
-            if info["ctime"] is not None and abs(proc.create_time() - info["ctime"]) > 0.5:
-                return None  # the pid now belongs to someone else
-            return None if proc.status() == psutil.STATUS_ZOMBIE else proc
-        except psutil.Error:
+            info = json.loads(self.signer.open(raw) if self.signer else raw)
+            if info.get("node", node) != node or not isinstance(info.get("pid"), int):
+                raise BadRecord("another node's record")
+            return info
+        except (BadRecord, ValueError, AttributeError) as e:
+            log.warning("ignored the process record of node %s: %s", node, e)
             return None
 
     def list(self) -> dict[str, NodeInfo]:
@@ -66,7 +89,7 @@ class LocalBackend(Backend):
         for node, raw in self.r.hgetall(self.key).items():
             node = node.decode()
             proc = self._process(node, raw)
-            out[node] = NodeInfo(node, proc is not None, "127.0.0.1", f"pid {json.loads(raw)['pid']}")
+            out[node] = NodeInfo(node, proc is not None, "127.0.0.1", f"pid {proc.pid}" if proc else "")
         return out
 
     def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
@@ -100,6 +123,14 @@ class LocalBackend(Backend):
         work = self.work_dir(node)
         ranks = sorted(work.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
         return [work / "executor.log", *ranks]
+
+
+def _is_executor(cmdline: list[str], job: str, node: str) -> bool:
+    """Whether a command line is the executor `start` runs for `node` of `job`."""
+    def value(flag: str) -> Optional[str]:
+        return cmdline[cmdline.index(flag) + 1] if flag in cmdline[:-1] else None
+
+    return "megascale.executor" in cmdline and value("--job") == job and value("--node") == node
 
 
 def _ctime(pid: int) -> Optional[float]:

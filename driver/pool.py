@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megascale.config import JobConfig
+from megascale.elastic import nodes_at
 
 from . import log
 from .backend import Backend
@@ -57,13 +58,13 @@ class NodePool:
         return spare
 
     def missing(self, rec: JobRecord) -> int:
-        """Active positions nobody fills (an eviction with no spare left)."""
-        return self.cfg.cluster.nodes - len(rec.slots("active"))
+        """Active positions nobody fills (an eviction with no spare left), at the dp the record runs at."""
+        return nodes_at(self.cfg, rec.dp) - len(rec.slots("active"))
 
     def refill_position(self, rec: JobRecord) -> None:
         """Gives each unfilled active position to a live spare, if one has appeared."""
         taken = {s.index for s in rec.slots("active")}
-        for index in range(self.cfg.cluster.nodes):
+        for index in range(nodes_at(self.cfg, rec.dp)):
             if index not in taken:
                 spare = next((s for s in rec.slots("spare") if not s.dead), None)
                 if spare is None:

@@ -22,6 +22,7 @@ from urllib.parse import urlparse, urlunparse
 from kafka.errors import KafkaError
 
 from megascale.config import ConfigError, JobConfig, from_dict
+from megascale.elastic import layout_at, resized
 from megascale.common.messages import Event, encode, topic
 
 from . import log
@@ -31,7 +32,7 @@ from .commands import Commands
 from .ingest import HeartbeatIngest
 from .metrics.stragglers import describe
 from .pool import NodePool
-from .recovery import HangClock, Liveness, Recoverer, all_succeeded, checkpoint_waits, progress, timings
+from .recovery import HangClock, Liveness, Recoverer, all_succeeded, checkpoint_waits, progress, shrink, timings
 from .state import Fault, JobRecord, JobState, JobStatus, JobStore, NodeStatus, Phase
 from .telemetry import Telemetry
 
@@ -75,6 +76,7 @@ class Driver:
         self.pool = NodePool(self.backend, self.cfg)
         if not self._connect_kafka():
             return 0
+        self.ingest.members = rec.node_names()
         self.ingest.start()
         self.telemetry = Telemetry(self.store, self.cfg, self.kafka, rec.run_dir)
         self.telemetry.start(self.cfg.control.prometheus_port)
@@ -127,6 +129,7 @@ class Driver:
             if rec is None:
                 log.error("job %r vanished from Redis (restarted without persistence?)", self.job)
                 return 1
+            self.ingest.members = rec.node_names()  # heartbeats of any other node are dropped
             if rec.terminal:
                 self._finish(rec)
                 self.telemetry.consumer.drain()  # the nodes flushed their last timings on exit: store them first
@@ -196,7 +199,7 @@ class Driver:
             node, detail = next(iter(failed.items()))
             self.recoverer.open(rec, Fault("start_failed", node, f"node {node} could not start its ranks: {detail}"))
         elif done:
-            self.move(rec, JobState.RUNNING, f"incarnation {rec.incarnation} started")
+            self.move(rec, JobState.RUNNING, f"incarnation {rec.incarnation} started" + shrink.describe(rec, self.cfg))
         elif faults := [f for f in self.liveness.faults(rec) if f.kind == "node_dead"]:
             self.recoverer.open(rec, faults[0])
         elif time.time() - rec.waiting_since > self.cfg.control.command_timeout_s:
@@ -257,12 +260,14 @@ class Driver:
     def _start_args(self, rec: JobRecord, index: int) -> dict:
         rpn = self.cfg.ranks_per_node
         parsed = urlparse(self.redis_url)
-        rendezvous = urlunparse(parsed._replace(path=f"/{self.job}", query=f"incarnation={rec.incarnation}"))
-        config = rec.config
+        query = "&".join(filter(None, [parsed.query, f"incarnation={rec.incarnation}"]))  # keeps rediss:// options
+        rendezvous = urlunparse(parsed._replace(path=f"/{self.job}", query=query))
+        config = resized(rec.config, self.cfg, rec.dp)  # a shrunk job's smaller dp (control.no_spare)
         if rec.incarnation > 1 and config.get("checkpoint", {}).get("uri"):  # a restart continues from a checkpoint
             config = {**config, "checkpoint": {**config["checkpoint"], "resume": True}}
         return {"incarnation": rec.incarnation, "ranks": list(range(index * rpn, (index + 1) * rpn)),
-                "world_size": self.cfg.parallelism.world_size, "config": config, "run_dir": rec.run_dir,
+                "world_size": layout_at(self.cfg, rec.dp).parallelism.world_size, "config": config,
+                "run_dir": rec.run_dir,
                 "init_method": rendezvous, "resume": rec.incarnation > 1}
 
     # -- endings -----------------------------------------------------------------------------
@@ -323,8 +328,10 @@ class Driver:
             self._final_step = step
         return JobStatus(job=self.job, state=rec.state.value, reason=rec.reason, incarnation=rec.incarnation,
                          restarts=rec.restarts, total_steps=self.cfg.train.steps, step=seen.get("step"),
-                         loss=seen.get("loss"), tokens_per_s=seen.get("tokens_per_s"), nodes=nodes,
+                         loss=seen.get("loss"), tokens_per_s=seen.get("tokens_per_s"), val_step=seen.get("val_step"),
+                         val_loss=seen.get("val_loss"), val_ppl=seen.get("val_ppl"), nodes=nodes,
                          driver=self.holder, updated=time.time(), heartbeats=self.ingest.processed,
-                         ignored=sum(self.ingest.ignored.values()), ettr=ettr, recoveries=rec.recoveries,
+                         ignored=sum(self.ingest.ignored.values()), rejected=dict(self.ingest.ignored),
+                         ettr=ettr, recoveries=rec.recoveries,
                          mttr_s=timings.mttr(rec), stragglers=[describe(f) for f in self.telemetry.metrics.findings],
                          prometheus=self.telemetry.prometheus_url, timings_stored=self.telemetry.consumer.stored)

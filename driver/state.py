@@ -23,7 +23,7 @@ from typing import Literal, Optional
 
 import redis
 
-from megascale.common import typed
+from megascale.common import auth, typed
 from megascale.common.messages import Ack, Command, MessageError, acks_key, command_stream, decode, encode
 
 
@@ -131,6 +131,7 @@ class JobRecord:
     created: float = field(default_factory=time.time)
     recoveries: list[dict] = field(default_factory=list)  # finished ones' MTTR phases (driver/recovery/timings.py)
     ideal_step_s: Optional[float] = None  # fastest typical step seen, for ETTR
+    dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
 
     def move(self, state: JobState, reason: str = "") -> JobState:
         """Enters `state`; returns the previous one. Refuses transitions the machine does not have."""
@@ -150,6 +151,9 @@ class JobRecord:
 
     def slot(self, node: str) -> Optional[NodeSlot]:
         return next((s for s in self.nodes if s.node == node), None)
+
+    def node_names(self) -> frozenset[str]:
+        return frozenset(s.node for s in self.nodes)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=lambda o: o.value)
@@ -199,11 +203,15 @@ class JobStatus:
     step: Optional[int] = None
     loss: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    val_step: Optional[int] = None  # the newest validation (eval.every): its step, loss and perplexity
+    val_loss: Optional[float] = None
+    val_ppl: Optional[float] = None
     nodes: list[NodeStatus] = field(default_factory=list)
     driver: str = ""
     updated: float = 0.0
     heartbeats: int = 0  # heartbeats ingested by this driver
-    ignored: int = 0  # records it dropped as malformed or foreign
+    ignored: int = 0  # heartbeat records it dropped: malformed, foreign, forged, replayed
+    rejected: dict[str, int] = field(default_factory=dict)  # the same by reason (a few fixed reasons)
     ettr: Optional[float] = None  # effective training time ratio, 0-1
     mttr_s: Optional[float] = None  # mean time to recovery over finished recoveries
     recoveries: list[dict] = field(default_factory=list)
@@ -234,8 +242,11 @@ class JobStore:
         self.k_chaos, self.k_inject, self.k_spares = ns + "chaos", ns + "inject", ns + "spares"
 
     @classmethod
-    def from_url(cls, url: str, job: str, timeout_s: float = 5.0) -> "JobStore":
-        return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s), job)
+    def from_url(cls, url: str, job: str, timeout_s: float = 5.0,
+                 secrets: Optional[auth.JobSecrets] = None) -> "JobStore":
+        """Logged in with `secrets`, else those of $MEGASCALE_SECRETS, unless the URL carries credentials."""
+        return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                        **auth.redis_auth(url, secrets)), job)
 
     # -- record (driver-owned) ---------------------------------------------------------------
 

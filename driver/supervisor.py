@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import redis
 
+from megascale.common.auth import SECRETS_ENV, JobSecrets, redacted, split_login
 from megascale.config import ConfigError, JobConfig, from_dict, load_config, new_run_dir, with_run_dir
 from megascale.preflight import absolute_data_path
 
@@ -57,25 +58,32 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         run_dir = self._new_run_dir()
         self.cfg = with_run_dir(self.cfg, run_dir)
+        # Fresh per run. A login in services.redis moves into the secrets: no password on command lines.
+        self.secrets = JobSecrets.generate(self.cfg.services.redis)
+        self.secrets.write(JobHandle.secrets_path(self.job))
+        # The driver, its executors and their ranks inherit it; this process's own clean-up reads it too.
+        os.environ[SECRETS_ENV] = str(JobHandle.secrets_path(self.job))
         try:
-            services = start_services(self.cfg.services.redis, self.cfg.services.kafka)
+            redis_url = split_login(self.cfg.services.redis)[0] if self.cfg.services.redis else None
+            services = start_services(redis_url, self.cfg.services.kafka, self.secrets)
         except RuntimeError as e:
             raise SupervisorError(str(e)) from None
         handle: Optional[JobHandle] = None
         store: Optional[JobStore] = None
         try:
-            store = JobStore.from_url(services.redis_url, self.job)
+            store = JobStore.from_url(services.redis_url, self.job, secrets=self.secrets)
             try:
                 rec, new = store.submit(JobRecord(job=self.job, config=self.cfg.to_dict(), run_dir=str(run_dir)))
             except redis.RedisError as e:
-                raise SupervisorError(f"cannot reach Redis at {services.redis_url}: {_line(e)}") from None
+                raise SupervisorError(f"cannot reach Redis at {redacted(services.redis_url)}: {_line(e)}") from None
             if not new:
                 log.info("job %s already in Redis (%s): supervising it", self.job, rec.state.value)
                 run_dir = Path(rec.run_dir)
             handle = JobHandle(job=self.job, redis_url=services.redis_url, kafka=services.kafka, run_dir=str(run_dir),
                                config_path=os.path.abspath(self.config_path), supervisor_pid=os.getpid(),
                                redis_pid=services.redis.pid if services.redis else None,
-                               kafka_pid=services.broker.proc.pid if services.broker else None)
+                               kafka_pid=services.broker.proc.pid if services.broker else None,
+                               secrets=str(JobHandle.secrets_path(self.job)))
             handle.save()
             return self._supervise(store, services, handle, on_status)
         finally:
@@ -107,7 +115,7 @@ class Supervisor:
         while True:
             rec = store.load()
             if rec is None:
-                raise SupervisorError(f"job {self.job!r} vanished from Redis at {services.redis_url}")
+                raise SupervisorError(f"job {self.job!r} vanished from Redis at {redacted(services.redis_url)}")
             if on_status:
                 on_status(status_view(store.status(), rec))
             if self._signals and stop_requested_at is None:
@@ -177,7 +185,9 @@ def finish_for_supervisor(job: str) -> None:
     handle = JobHandle.load(job)
     if handle is None or handle.final is not None:
         return
-    store = JobStore.from_url(handle.redis_url, job, timeout_s=3)
+    if handle.secrets:  # so that the nodes' process records are checked against the job's key
+        os.environ.setdefault(SECRETS_ENV, handle.secrets)
+    store = JobStore.from_url(handle.redis_url, job, timeout_s=3, secrets=handle.job_secrets())
     final = _final_status(store)
     try:
         rec = store.load()

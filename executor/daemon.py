@@ -25,6 +25,7 @@ import redis
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from megascale.executor.metrics_publisher import MetricsPublisher
+from megascale.common import auth
 from megascale.common.messages import JsonlTail
 
 from megascale.common.messages import (
@@ -59,7 +60,9 @@ class Executor:
         self.heartbeat_s, self.redis_grace_s = heartbeat_s, redis_grace_s
         self.boot_id = secrets.token_hex(6)
         self.host, self.ip = identity()
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2,
+                                          **auth.redis_auth(redis_url))
+        self.signer = auth.env_signer()  # heartbeats and metrics carry the job's HMAC
         self.group: Optional[RankGroup] = None
         self.slow = SlowRanks(self.redis, job, node)  # `megascale chaos slow-rank` faults on this node's ranks
         self.run_dir: Optional[Path] = None  # the job's, where ranks write their flight recorders
@@ -330,10 +333,12 @@ class Executor:
                        ranks=group.statuses() if group else [], step=newest.get("step"),
                        step_age_s=round(now - newest["time"], 3) if "time" in newest else None,
                        step_time=newest.get("step_time"), loss=newest.get("loss"),
-                       tokens_per_s=newest.get("tokens_per_s"), restored_step=group.restored_step() if group else None,
+                       tokens_per_s=newest.get("tokens_per_s"), val_step=newest.get("val_step"),
+                       val_loss=newest.get("val_loss"), val_ppl=newest.get("val_ppl"),
+                       restored_step=group.restored_step() if group else None,
                        waiting=waiting, waiting_since=waiting_since, errors=list(group.errors) if group else [],
                        metrics=host_metrics())
-        self._send("heartbeats", encode(hb))
+        self._send("heartbeats", encode(hb, self.signer))
 
     def _publish_metrics(self) -> None:
         if not self.group or not self.group.steps:
@@ -344,10 +349,11 @@ class Executor:
                 metric = Metric(job=self.job, node=self.node, rank=s["rank"], incarnation=self.group.incarnation,
                                 step=int(s["step"]), loss=float(s["loss"]), step_time=float(s["step_time"]),
                                 tokens_per_s=float(s["tokens_per_s"]), time=time.time(),
-                                grad_norm=s.get("grad_norm"), lr=s.get("lr"))
+                                grad_norm=s.get("grad_norm"), lr=s.get("lr"), val_loss=s.get("val_loss"),
+                                val_ppl=s.get("val_ppl"))
             except (KeyError, TypeError, ValueError):
                 continue  # a rank wrote a line without the step statistics; nothing to publish
-            self._send("metrics", encode(metric))
+            self._send("metrics", encode(metric, self.signer))
 
 
     def _timings_path(self, rank: int) -> Path:

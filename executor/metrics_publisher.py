@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
+from megascale.common.auth import env_signer
 from megascale.common.messages import Timings, encode, topic
 
 
@@ -56,6 +57,7 @@ class MetricsPublisher:
         self.topic = topic(job, "metrics")
         self.max_batch, self.flush_s, self.retry_s = max_batch, flush_s, retry_s
         self._bootstrap, self._sender = bootstrap, sender
+        self._signer = env_signer()  # the driver drops unsigned batches once the job has a key
         self._queue: queue.Queue[dict] = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._give_up_at = float("inf")
@@ -131,7 +133,8 @@ class MetricsPublisher:
         try:
             if self._sender is None:
                 self._sender = KafkaSender(self._bootstrap)  # type: ignore[arg-type]
-            self._sender.send(self.topic, self.node.encode(), encode(msg), lambda e, n=len(batch): self._lost(n, e))
+            self._sender.send(self.topic, self.node.encode(), encode(msg, self._signer),
+                              lambda e, n=len(batch): self._lost(n, e))
         except Exception as e:  # Kafka unreachable: the caller retries; never raised into training
             log.debug("metrics publisher: send failed (%s: %s)", type(e).__name__, e)
             return False

@@ -66,6 +66,7 @@ class RankProcess:
     running: bool = False  # its process group is up
     done: bool = False
     last: dict = field(default_factory=dict)  # newest step statistics
+    validated: dict = field(default_factory=dict)  # val_step, val_loss, val_ppl of its newest validation
     restored_step: Optional[int] = None  # the step it started from, once known
     waiting: Optional[tuple[str, float]] = None  # (what, since when) it is blocked on outside a step
 
@@ -160,7 +161,10 @@ class RankGroup:
                 if "step" in record:
                     p.last = {**p.last, "step": record["step"]}
             elif "step" in record:
-                p.last = record
+                if "val_loss" in record:
+                    p.validated = {"val_step": record["step"], "val_loss": record["val_loss"],
+                                   "val_ppl": record.get("val_ppl")}
+                p.last = {**record, **p.validated}  # a validation's results stay shown until the next one
                 self.steps.append({**record, "rank": p.rank})
 
     def _scan_log(self, p: RankProcess) -> None:

@@ -13,7 +13,10 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from megascale.checkpoint.filesystems import UnknownFilesystem
+from megascale.checkpoint.filesystems import check as check_filesystem
 from megascale.common import typed
+from megascale.elastic import shrunk_dp
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,7 @@ class ParallelismConfig:
     sequence_parallel: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     grad_bucket_mb: float = 4.0
+    zero: Literal[1, 2] = 2  # 1: full gradient buffer per DP rank; 2: gradients sharded over DP too
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
     @property
@@ -120,7 +124,10 @@ class CheckpointConfig:
     every: int = 0  # steps; 0 disables
     keep: int = 3
     resume: bool = False  # start from the newest committed checkpoint under uri (`train --resume`)
-    filesystem: Optional[str] = None  # "module:function" (uri) -> (pyarrow FileSystem, path); None = from the uri
+    # A registered file system by name: local, hdfs, s3, gcs, or a plugin the cluster admin installed
+    # (entry points megascale.filesystems); never code a spec names. None = the one the uri implies.
+    filesystem: Optional[str] = None
+    filesystem_options: dict[str, str] = field(default_factory=dict)  # its options as data, e.g. region
     keeper_idle_s: float = 900.0  # the node's snapshot keeper exits this long after its last rank disconnects
     # Training blocked on a persist (the previous checkpoint still writing) is not a hang for this long.
     persist_timeout_s: float = 600.0
@@ -167,6 +174,9 @@ class ControlConfig:
     straggler_evict_confidence: float = 0.99999  # ... with at least this confidence (observability.md)
     prometheus_port: int = 0  # the driver serves /metrics here; 0 = a free port, written to the job state file;
                               # -1 = off
+    # A node lost and no spare left: pause until one reports, or shrink to the largest dp the remaining
+    # nodes hold (same global batch) until a restart finds the nodes to grow back (megascale/elastic.py)
+    no_spare: Literal["pause", "shrink"] = "pause"
 
 
 @dataclass
@@ -182,6 +192,27 @@ class TrainConfig:
     log_every: int = 1
     gc_every: int = 50  # steps between synchronised gc.collect() on every rank
     run_dir: str = "runs"
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recomputation (parallel/recompute.py)
+
+
+@dataclass
+class EvalConfig:
+    """Validation: the loss on held-out data, forward only, every `every` steps and after the last one."""
+    every: int = 0  # steps between validations; 0 = off
+    steps: int = 10  # batches (each batch.global sequences) per validation; the same batches every time
+    # Held-out data: a path of the same kind as data.path (text, or a prepared shards directory) ...
+    data: Optional[str] = None
+    # ... or this fraction of data.path's documents, never trained on (chosen by document, not by token)
+    split: float = 0.0
+
+
+@dataclass
+class LoggingConfig:
+    """Experiment logs beside metrics.jsonl."""
+    tensorboard: bool = True  # event files under <run_dir>/tensorboard (`tensorboard --logdir <run_dir>`)
+    wandb: bool = False  # Weights & Biases, offline, under <run_dir>/wandb (needs `pip install wandb`)
+    # Per-device peak FLOP/s for MFU; None = the bf16 dense peak of a known GPU, else MFU is not logged
+    peak_tflops: Optional[float] = None
 
 
 @dataclass
@@ -199,6 +230,8 @@ class JobConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def microbatches(self) -> int:
@@ -281,6 +314,10 @@ def validate(cfg: JobConfig) -> JobConfig:
     if cfg.checkpoint.init_from is not None and not cfg.checkpoint.init_from.startswith("hf:"):
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: expected hf:DIR "
                           "(a transformers save_pretrained directory)")
+    try:
+        check_filesystem(cfg.checkpoint.filesystem, cfg.checkpoint.filesystem_options, cfg.checkpoint.uri)
+    except UnknownFilesystem as e:
+        raise ConfigError(str(e)) from None
     _positive("checkpoint.keeper_idle_s", cfg.checkpoint.keeper_idle_s)
     _positive("checkpoint.persist_timeout_s", cfg.checkpoint.persist_timeout_s)
     _positive("data.prefetch", cfg.data.prefetch)
@@ -294,9 +331,29 @@ def validate(cfg: JobConfig) -> JobConfig:
     if cfg.data.document_mask and cfg.data.source == "synthetic":
         raise ConfigError("data.document_mask: needs data.source text or shards (synthetic data has no documents)")
     _validate_cluster(cfg)
+    _validate_eval(cfg)
     if not cfg.name or not all(c.isalnum() or c in "-_." for c in cfg.name):
         raise ConfigError(f"name={cfg.name!r}: use letters, digits, '-', '_' or '.'")
     return cfg
+
+
+def _validate_eval(cfg: JobConfig) -> None:
+    e = cfg.eval
+    if e.every < 0:
+        raise ConfigError(f"eval.every={e.every}: must be >= 0 (0 turns validation off)")
+    _positive("eval.steps", e.steps)
+    if not 0.0 <= e.split < 1.0:
+        raise ConfigError(f"eval.split={e.split}: must be in [0, 1)")
+    if e.split and e.data:
+        raise ConfigError("eval.split: set either eval.data (a held-out path) or eval.split, not both")
+    if (e.split or e.data) and cfg.data.source == "synthetic":
+        raise ConfigError(f"eval.{'split' if e.split else 'data'}: needs data.source text or shards "
+                          "(synthetic data validates on a held-out seed)")
+    if e.every and cfg.data.source != "synthetic" and not (e.split or e.data):
+        raise ConfigError(f"eval.every={e.every}: needs held-out data: eval.data (a path) or eval.split "
+                          "(a fraction of data.path's documents)")
+    if cfg.logging.peak_tflops is not None:
+        _positive("logging.peak_tflops", cfg.logging.peak_tflops)
 
 
 def _validate_kv_heads(m: ModelConfig, p: ParallelismConfig) -> None:
@@ -341,6 +398,9 @@ def _validate_cluster(cfg: JobConfig) -> None:
     if not 0.5 <= ctl.straggler_evict_confidence < 1:
         raise ConfigError(f"control.straggler_evict_confidence={ctl.straggler_evict_confidence}: "
                           f"must be in [0.5, 1)")
+    if ctl.no_spare == "shrink" and shrunk_dp(cfg, c.nodes - 1) is None:
+        raise ConfigError(f"control.no_spare=shrink: no dp below parallelism.dp={cfg.parallelism.dp} runs on "
+                          f"{c.nodes - 1} of cluster.nodes={c.nodes} with batch.global={cfg.batch.global_}; use pause")
     if ctl.evict_stragglers and not ctl.auto_recover:
         raise ConfigError("control.evict_stragglers: needs control.auto_recover (a straggler's node is replaced "
                           "by eviction; without it the job would restart onto the same slow node)")

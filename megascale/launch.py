@@ -109,12 +109,15 @@ def launch_local(cfg: JobConfig, progress: bool = True) -> int:
         task = bar.add_task(cfg.name, total=cfg.train.steps, status="starting")
 
         def follow() -> None:
+            validated = ""  # the newest validation stays shown until the next
             while True:
                 stats = queue.get()
                 if stats is None:
                     return
+                if "val_loss" in stats:
+                    validated = f"  val_loss {stats['val_loss']:.4f}"
                 bar.update(task, completed=stats["step"],
-                           status=f"loss {stats['loss']:.4f}  {stats['tokens_per_s']:,.0f} tok/s")
+                           status=f"loss {stats['loss']:.4f}{validated}  {stats['tokens_per_s']:,.0f} tok/s")
 
         follower = threading.Thread(target=follow, daemon=True) if queue else None
         if follower:

@@ -13,12 +13,16 @@ def preflight(cfg: JobConfig) -> JobConfig:
     checkpoint.uri is fit for a fresh start (or, resuming, holds a checkpoint of this model, which
     restores onto any parallelism); ConfigError naming the field otherwise."""
     from megascale.checkpoint import CheckpointError, check_checkpoint_uri
+    from megascale.experiment_log import check_wandb
 
     if cfg.data.source != "synthetic" and cfg.data.path:
         _check_inputs(cfg, _existing("data.path", cfg.data.path))
+    if cfg.eval.data:
+        _existing("eval.data", cfg.eval.data)
+    check_wandb(cfg)
     try:
         check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem,
-                             model=cfg.to_dict()["model"])
+                             cfg.checkpoint.filesystem_options, model=cfg.to_dict()["model"])
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     if cfg.checkpoint.init_from:
@@ -29,8 +33,8 @@ def preflight(cfg: JobConfig) -> JobConfig:
 
 
 def absolute_data_path(cfg: JobConfig) -> JobConfig:
-    """`cfg` with a relative data.path and data.tokenizer path made absolute from here: ranks and
-    executors may run elsewhere."""
+    """`cfg` with a relative data.path, data.tokenizer and eval.data path made absolute from here:
+    ranks and executors may run elsewhere."""
     from megascale.data.tokenizer import NAMES
 
     if cfg.data.source == "synthetic" or not cfg.data.path:
@@ -39,7 +43,9 @@ def absolute_data_path(cfg: JobConfig) -> JobConfig:
     if tokenizer not in NAMES:
         tokenizer = str(Path(tokenizer).expanduser().resolve())
     path = str(Path(cfg.data.path).expanduser().resolve())
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path, tokenizer=tokenizer))
+    held_out = cfg.eval.data and str(Path(cfg.eval.data).expanduser().resolve())
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path, tokenizer=tokenizer),
+                               eval=dataclasses.replace(cfg.eval, data=held_out or None))
 
 
 def _existing(field: str, value: str) -> Path:

@@ -68,10 +68,11 @@ def make_source(cfg: JobConfig, ctx: ParallelContext, ranks_per_node: Optional[i
     return make_batch_source(cfg.data, seq=cfg.model.seq, micro=cfg.batch.micro, microbatches=cfg.microbatches,
                              dp_rank=ctx.dp.rank, dp_size=ctx.dp.size, tp_rank=ctx.tp.rank, tp_size=ctx.tp.size,
                              pp_rank=ctx.pp.rank, pp_size=ctx.pp.size, global_rank=ctx.rank,
-                             ranks_per_node=ranks_per_node, run_dir=cfg.train.run_dir, vocab=cfg.model.vocab)
+                             ranks_per_node=ranks_per_node, run_dir=cfg.train.run_dir, vocab=cfg.model.vocab,
+                             holdout=cfg.eval.split)
 
 
-def _microbatches(batch: torch.Tensor, count: int, device: torch.device) -> list[Optional[torch.Tensor]]:
+def split_microbatches(batch: torch.Tensor, count: int, device: torch.device) -> list[Optional[torch.Tensor]]:
     # Middle pipeline stages receive empty tensors: they read activations, not tokens.
     return [t.to(device) for t in batch.chunk(count)] if batch.numel() else [None] * count
 
@@ -117,7 +118,7 @@ class Trainer:
         microbatches = cfg.microbatches
         with timer.span("data"):
             input_ids, labels, document_ids = self._next_batch()
-            inputs, targets = (_microbatches(t, microbatches, ctx.device) for t in (input_ids, labels))
+            inputs, targets = (split_microbatches(t, microbatches, ctx.device) for t in (input_ids, labels))
             documents = None if document_ids is None else list(document_ids.chunk(microbatches))
         self.optimizer.begin_step(microbatches)
         loss = run_schedule(self.chunks, ctx, inputs, targets, self._loss_weights(targets),
@@ -174,16 +175,22 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                on_wait: Optional[Callable[[Optional[str]], None]] = None) -> list[dict]:
     """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
     steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
-    reporting rank appends metrics.jsonl and calls `on_step(stats)`. `on_start(step)` learns the
-    step training starts from (a restored checkpoint's, else 0); `on_wait(what)` what training is
-    blocked on outside a step (a checkpoint persisting), then `on_wait(None)`."""
+    reporting rank appends metrics.jsonl (with val_loss and val_ppl after a validation, eval.every)
+    and calls `on_step(stats)`; TensorBoard and W&B logs go beside them (experiment_log.py).
+    `on_start(step)` learns the step training starts from (a restored checkpoint's, else 0);
+    `on_wait(what)` what training is blocked on outside a step (a checkpoint persisting), then
+    `on_wait(None)`."""
     from megascale.checkpoint import Checkpointer
+    from megascale.evaluate import Evaluator, make_eval_source
+    from megascale.experiment_log import ExperimentLog, check_wandb
 
+    check_wandb(cfg)  # before anything is started that would need stopping
     log_file = logging.FileHandler(Path(run_dir) / f"rank-{ctx.rank}.log")
     log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("megascale").addHandler(log_file)
     logging.getLogger("megascale").setLevel(logging.INFO)
     log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
+    eval_source = make_eval_source(cfg, ctx) if cfg.eval.every else None
     trainer = Trainer(cfg, ctx)
     ckpt = cfg.checkpoint
     checkpointer = Checkpointer(cfg, ctx, checkpoint_parts(trainer)) if ckpt.every or ckpt.resume else None
@@ -202,18 +209,28 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     if on_start is not None:
         on_start(trainer.step_index)
     reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
+    evaluator = Evaluator(trainer, eval_source) if eval_source else None
+    experiment = ExperimentLog(cfg, ctx.rank, ctx.device, run_dir, reporter)
     history = []
     metrics = open(Path(run_dir) / "metrics.jsonl", "a") if reporter else None
     timings = open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a")
     try:
         while trainer.step_index < cfg.train.steps:
             stats = asdict(trainer.step())
-            history.append(stats)
+            mfu = experiment.mfu(stats["tokens_per_s"])
+            if mfu is not None:
+                stats["mfu"] = mfu
             timings.write(json.dumps(stats["timings"]) + "\n")
             timings.flush()
             if stats["step"] % cfg.train.log_every == 0:
                 log.info("step %d loss %.4f grad_norm %.3f lr %.3g %.3fs %.0f tok/s", stats["step"], stats["loss"],
                          stats["grad_norm"], stats["lr"], stats["step_time"], stats["tokens_per_s"])
+            if evaluator and evaluator.due(stats["step"]):
+                stats.update(evaluator.evaluate())
+                log.info("step %d val_loss %.4f val_ppl %.2f (%.2fs)", stats["step"], stats["val_loss"],
+                         stats["val_ppl"], stats["val_time"])
+            history.append(stats)
+            experiment.record(stats)
             if reporter:
                 metrics.write(json.dumps(stats) + "\n")
                 metrics.flush()
@@ -228,6 +245,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         if checkpointer:
             checkpointer.close()
         trainer.close()
+        experiment.close()
         timings.close()
         if metrics:
             metrics.close()

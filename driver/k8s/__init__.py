@@ -2,12 +2,15 @@
 whose nodes are pods. The driver's logic is the same as with local processes (`driver/backend.py`).
 
     crd.py        the CustomResourceDefinition, generated from Python (deploy/crd.yaml is its output)
-    spec.py       TrainingJob spec -> JobConfig, and the pods / Service / ConfigMap around a job
+    spec.py       TrainingJob spec -> JobConfig, the pods / Service / ConfigMap around a job, and what a
+                  pod spec may ask for (check_pod_spec)
+    credentials.py  per job: a Redis ACL user, a Secret with its secrets file, a NetworkPolicy
     kube.py       the official client as used here: raw JSON objects, list+watch informers
-    backend.py    Backend over pods: start / stop / list / evict (cordon + anti-affinity)
+    backend.py    Backend over pods: start / stop / list / evict (anti-affinity to evicted machines)
     jobdriver.py  `python -m megascale.driver.k8s.jobdriver`: one job's driver with that backend
-    operator.py   watches TrainingJobs, runs a driver per job, evicts failed nodes, writes status
-    health.py     which nodes the operator evicts, from pods and Kubernetes nodes
+    operator.py   watches TrainingJobs, runs a driver per job, evicts failed nodes, cordons machines
+                  that failed a self-check, writes status
+    health.py     which nodes the operator evicts, from pods and Kubernetes nodes; which machines it cordons
     status.py     the TrainingJob status: phase, progress, ETTR, conditions
     cli.py        `megascale kube {apply-crd,operator,pause,resume,status}`
 """

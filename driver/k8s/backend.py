@@ -1,9 +1,10 @@
 """Nodes as pods: the Backend the driver uses on Kubernetes (`driver/local.py` is the other one).
 
 A node is one executor pod, `<job>-<node>`, owned by its TrainingJob, so deleting the job deletes
-its pods. Evicting a node cordons the machine (Kubernetes node) it ran on and records that machine
-in the job's Redis; every pod created afterwards carries a required node anti-affinity to all the
-job's evicted machines (`spec.pod`), which holds even after someone uncordons one.
+its pods. Evicting a node records the machine (Kubernetes node) it ran on in the job's Redis; every
+pod created afterwards carries a required node anti-affinity to all the job's evicted machines
+(`spec.pod`), which holds even after someone uncordons one. Whether the machine is cordoned for
+everyone is the operator's call (operator.py: only after a failed self-check, within a budget).
 """
 from __future__ import annotations
 
@@ -12,21 +13,22 @@ from pathlib import Path
 from typing import Optional
 
 import redis
-from kubernetes.client.exceptions import ApiException
 
 from .. import log
 from ..backend import Backend, NodeInfo, NodeLaunch
 from . import spec
-from .kube import Kube, reason
+from .kube import Kube
 
 
 class K8sState:
     """A TrainingJob's Kubernetes facts in its Redis, beside its record (one hash slot): the resource's
-    uid (tells a re-created job of the same name from the old one) and the evicted machines."""
+    uid (tells a re-created job of the same name from the old one), the evicted machines, which node ran
+    on each, and the machines cordoned for the job (when)."""
 
     def __init__(self, client: redis.Redis, job: str):
         prefix = f"megascale:{{{job}}}:k8s:"
         self.r, self.job, self.k_uid, self.k_hosts = client, job, prefix + "uid", prefix + "evicted-hosts"
+        self.k_node_hosts, self.k_cordoned = prefix + "evicted-node-hosts", prefix + "cordoned"
 
     def uid(self) -> Optional[str]:
         raw = self.r.get(self.k_uid)
@@ -42,6 +44,22 @@ class K8sState:
         if hosts:
             self.r.sadd(self.k_hosts, *hosts)
 
+    def add_evicted_node(self, node: str, host: str) -> None:
+        self.r.hset(self.k_node_hosts, node, host)
+        self.add_evicted_hosts(host)
+
+    def host_of(self, node: str) -> Optional[str]:
+        """The machine an evicted node ran on."""
+        raw = self.r.hget(self.k_node_hosts, node)
+        return raw.decode() if raw else None
+
+    def cordoned(self) -> dict[str, float]:
+        """Machine -> when it was cordoned for this job (epoch seconds)."""
+        return {k.decode(): float(v) for k, v in self.r.hgetall(self.k_cordoned).items()}
+
+    def add_cordoned(self, host: str, when: float) -> None:
+        self.r.hset(self.k_cordoned, host, when)
+
     def _keys(self) -> list[bytes]:
         return list(self.r.scan_iter(match=f"megascale:{{{self.job}}}:*", count=1000))
 
@@ -56,14 +74,20 @@ class K8sState:
 
 
 class KubernetesBackend(Backend):
-    def __init__(self, kube: Kube, namespace: str, name: str, launch: NodeLaunch, client: redis.Redis):
-        self.kube, self.namespace, self.name, self.launch = kube, namespace, name, launch
+    def __init__(self, kube: Kube, namespace: str, name: str, launch: NodeLaunch, client: redis.Redis,
+                 policy: spec.PodPolicy):
+        self.kube, self.namespace, self.name, self.launch, self.policy = kube, namespace, name, launch, policy
         self.state = K8sState(client, launch.job)
 
     def start(self, nodes: list[str]) -> None:
         cr = self.kube.get_job(self.namespace, self.name)  # read each time: the pod template follows the spec
         if cr is None:
             log.warning("TrainingJob %s/%s is gone: not starting %s", self.namespace, self.name, ", ".join(nodes))
+            return
+        try:  # again here: the spec may have changed since the operator adopted the job
+            spec.check_pod_spec(cr["spec"], self.policy, lambda secret: self.kube.secret_labels(self.namespace, secret))
+        except spec.SpecError as e:
+            log.error("not starting %s: %s", ", ".join(nodes), e)
             return
         avoid = self.state.evicted_hosts()
         for node in nodes:
@@ -96,13 +120,8 @@ class KubernetesBackend(Backend):
         pod = self._pods().get(node)
         host = (pod or {}).get("spec", {}).get("nodeName")
         if host:
-            self.state.add_evicted_hosts(host)  # first: whatever happens next, later pods avoid the machine
-            try:
-                self.kube.cordon(host, f"{self.namespace}/{self.name} evicted node {node} at "
-                                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
-                log.info("evicted node %s: cordoned %s", node, host)
-            except ApiException as e:  # the anti-affinity keeps this job off it regardless
-                log.warning("evicted node %s but could not cordon %s: %s", node, host, reason(e))
+            self.state.add_evicted_node(node, host)  # first: whatever happens next, later pods avoid the machine
+            log.info("evicted node %s: this job's pods avoid %s from now on", node, host)
         # Grace 0 (a forced delete): the pod may sit on a machine that will never confirm its end.
         # A partitioned executor that lives on cannot rejoin: its node id is never used again.
         self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s=0)

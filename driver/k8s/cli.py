@@ -59,6 +59,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     op.add_argument("--missing-grace-s", type=float, default=30.0, help="a pod missing this long is a failed node")
     op.add_argument("--driver-log-dir", type=Path, help="one log file per job's driver (default: this stderr)")
     op.add_argument("--run-dir", help="the ranks' run directory in the pods (default /var/lib/megascale/run)")
+    op.add_argument("--service-account", action="append",
+                    default=[a for a in os.environ.get("MEGASCALE_SERVICE_ACCOUNTS", "").split(",") if a],
+                    help="a service account jobs may name in spec.serviceAccountName (repeatable; "
+                         "$MEGASCALE_SERVICE_ACCOUNTS, comma-separated); default: none")
+    op.add_argument("--node-pool", action="append", metavar="KEY=VALUE",
+                    default=[a for a in os.environ.get("MEGASCALE_NODE_POOL", "").split(",") if a],
+                    help="a label every machine the operator may cordon carries (repeatable; $MEGASCALE_NODE_POOL, "
+                         "comma-separated); default: any machine")
     for verb, paused in (("pause", True), ("resume", False)):
         add(verb, f"{verb} a TrainingJob (spec.paused={str(paused).lower()})", _pause(paused)).add_argument(
             "job", help="TrainingJob name")
@@ -130,8 +138,11 @@ def _apply_crd(args: argparse.Namespace) -> int:
 def _operator(args: argparse.Namespace) -> int:
     from .kube import Kube, connect, current_namespace
     from .operator import Operator
-    from .spec import ServiceDefaults
+    from .spec import PodPolicy, ServiceDefaults
 
+    pool = dict(label.partition("=")[::2] for label in args.node_pool)
+    if any(not key or not value for key, value in pool.items()):
+        raise KubeCommandError(f"--node-pool: expected KEY=VALUE labels, got {','.join(args.node_pool)}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     namespace = None if args.all_namespaces else (args.namespace or os.environ.get("WATCH_NAMESPACE")
@@ -140,7 +151,8 @@ def _operator(args: argparse.Namespace) -> int:
     operator = Operator(kube, namespace, ServiceDefaults(args.redis, args.kafka), kubeconfig=args.kubeconfig,
                         tick_s=args.tick_s, status_every_s=args.status_every_s,
                         checkpoint_every_s=args.checkpoint_every_s, missing_grace_s=args.missing_grace_s,
-                        driver_log=args.driver_log_dir, **({"run_dir": args.run_dir} if args.run_dir else {}))
+                        driver_log=args.driver_log_dir, **({"run_dir": args.run_dir} if args.run_dir else {}),
+                        pod_policy=PodPolicy(frozenset(args.service_account)), node_pool=pool)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: operator.stop())
     operator.run()

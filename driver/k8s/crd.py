@@ -7,16 +7,18 @@ CEL rules for what one field cannot say alone (the world size, TP groups inside 
 """
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
 import yaml
 from megascale.driver.state import JobState
 
+from megascale.checkpoint.filesystems import NAME as FILESYSTEM_NAME
 from megascale.common import typed
 from megascale.config import JobConfig
 
-from .spec import DEVICE_RESOURCE, GROUP, KIND, PLURAL, POLICY, SPEC_OWNED, VERSION
+from .spec import ALLOW_JOBS_LABEL, DEVICE_RESOURCE, GROUP, KIND, PLURAL, POLICY, SHM_SIZE, SPEC_OWNED, VERSION
 
 NAME = f"{PLURAL}.{GROUP}"
 MAX_NAME = 50  # leaves room for "-config" and "-n123" within the 63 characters of names and labels
@@ -65,6 +67,10 @@ def config_schema() -> dict:
         for section in sections:
             node = node["properties"][section]
         del node["properties"][name]  # a KeyError here: SPEC_OWNED names a field the config no longer has
+    # A file system by registered name only: admission refuses module paths ("os:system") outright.
+    schema["properties"]["checkpoint"]["properties"]["filesystem"].update(
+        pattern=FILESYSTEM_NAME.pattern, description="a registered file system: local, hdfs, s3, gcs or an installed "
+                                                     "plugin (entry points megascale.filesystems)")
     return schema
 
 
@@ -76,7 +82,7 @@ _INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kuberne
 
 def _structural(node: Any) -> Any:
     if node == _TEXT:
-        return _INT_OR_STRING
+        return copy.deepcopy(_INT_OR_STRING)  # a copy per field: a shared one would dump as a YAML alias
     return {key: _structural(value) for key, value in node.items()} if isinstance(node, dict) else node
 
 
@@ -95,8 +101,14 @@ def spec_schema() -> dict:
     toleration = _obj({"key": _str(), "operator": _str(enum=["Exists", "Equal"]), "value": _str(),
                        "effect": _str(enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
                        "tolerationSeconds": {"type": "integer"}})
+    # No secretKeyRef / configMapKeyRef: a job author who cannot read the namespace's Secrets must not mount
+    # them through the operator (spec.secrets names the ones labelled for jobs).
+    field_ref = _obj({"fieldPath": _str(minLength=1), "apiVersion": _str()}, required=("fieldPath",))
     env = _obj({"name": _str(minLength=1), "value": _str(),
-                "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}, required=("name",))
+                "valueFrom": _obj({"fieldRef": field_ref}, required=("fieldRef",),
+                                  description="fieldRef only: secrets come through spec.secrets")},
+               required=("name",))
+    secret = _obj({"name": _str(maxLength=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")}, required=("name",))
     return _obj({
         "image": _str("container image with megascale installed; each pod runs `python -m megascale.executor`",
                       minLength=1),
@@ -131,7 +143,20 @@ def spec_schema() -> dict:
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": toleration},
         "env": {"type": "array", "items": env, "description": "extra environment of each executor and its ranks"},
-        "serviceAccountName": _str(),
+        "secrets": {"type": "array", "items": secret, "maxItems": 32, "x-kubernetes-list-type": "map",
+                    "x-kubernetes-list-map-keys": ["name"],
+                    "description": f"Secrets of the namespace mounted read-only at /var/run/megascale/secrets/<name> "
+                                   f"in every pod; only those labelled {ALLOW_JOBS_LABEL}=\"true\""},
+        "serviceAccountName": _str("the pods' service account; only those the operator's configuration lists "
+                                   "(`megascale kube operator --service-account`)"),
+        "rdma": {"type": "boolean", "default": False,
+                 "description": "the pods get the IPC_LOCK capability (RDMA memory registration); no other is added"},
+        "runAsNonRoot": {"type": "boolean", "default": False,
+                         "description": "the image runs as a non-root user: the kubelet refuses to start it as root"},
+        "shmSize": {**QUANTITY, "default": SHM_SIZE,
+                    "description": "size limit of each pod's /dev/shm (memory, counted against the pod's limit)"},
+        "cordonBudget": _int(0, 1000, "machines the operator may cordon for this job per hour, each only after "
+                                      "it failed a self-check", default=1),
     }, required=("image", "nodes", "devicesPerNode", "parallelism", "config"), **{"x-kubernetes-validations": [
         {"rule": "self.nodes * self.devicesPerNode == self.parallelism.tp * self.parallelism.pp * self.parallelism.dp",
          "message": "spec.nodes * spec.devicesPerNode must equal spec.parallelism.tp * pp * dp (the world size)"},

@@ -1,4 +1,5 @@
-"""Which of a job's nodes the operator evicts, from what Kubernetes says about their pods and machines.
+"""Which of a job's nodes the operator evicts, from what Kubernetes says about their pods and machines,
+and which machines it cordons.
 
 The driver judges nodes by their heartbeats; Kubernetes often knows sooner, and why: a pod that
 ended, a pod deleted behind the job's back, a machine whose kubelet stopped reporting (NotReady).
@@ -8,13 +9,21 @@ does the rest (a spare takes the node's ranks, a new spare is started, all ranks
 Many failures at once are not a node fault: when more nodes fail together than the job has spares
 (every executor lost Redis, say), or the job has already evicted as many machines as it runs on,
 the operator holds back and leaves the job to the driver, rather than cordon healthy machines.
+
+Cordoning takes a machine from everyone, so a job's word is not enough: a job's image can crash its
+own pods, and its nodeSelector picks the machines they land on. The operator cordons a machine only
+when the driver evicted a node after that node failed its self-check, only within the job's node
+pool, and at most spec.cordonBudget machines per job per hour.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from ..state import JobRecord
+
+CORDON_WINDOW_S = 3600.0  # spec.cordonBudget counts the machines a job had cordoned within this window
+SELFCHECK_FAILED = "self-check failed"  # how driver/recovery/selfcheck.py words a failed self-check in recovery.bad
 
 
 @dataclass
@@ -85,3 +94,28 @@ def judge(failed: dict[str, str], requested: set[str], spares: int, evicted_host
 def _list(failed: dict[str, str]) -> str:
     shown = [f"{n}: {why}" for n, why in sorted(failed.items())[:3]]
     return "; ".join(shown) + ("; ..." if len(failed) > 3 else "")
+
+
+def cordons(rec: JobRecord, host_of: Callable[[str], Optional[str]], cordoned: dict[str, float],
+            machines: dict[str, dict], pool: dict[str, str], budget: int,
+            now: float) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """Machines to cordon now (machine -> (node, why)), and those refused (machine -> why not).
+    `host_of(node)`: the machine an evicted node ran on; `cordoned`: machine -> when, for this job;
+    `pool`: labels a machine must carry."""
+    recent = sum(1 for t in cordoned.values() if now - t < CORDON_WINDOW_S)
+    todo: dict[str, tuple[str, str]] = {}
+    refused: dict[str, str] = {}
+    for node, why in sorted((rec.recovery.bad if rec.recovery else {}).items()):
+        slot, host = rec.slot(node), host_of(node)
+        if slot is None or slot.role != "evicted" or not why.startswith(SELFCHECK_FAILED) or not host \
+                or host in cordoned or host in todo:
+            continue
+        labels = ((machines.get(host) or {}).get("metadata") or {}).get("labels") or {}
+        if host not in machines or any(labels.get(k) != v for k, v in pool.items()):
+            refused[host] = (f"outside the job's node pool ({', '.join(f'{k}={v}' for k, v in sorted(pool.items()))})"
+                             if host in machines else "no such machine")
+        elif recent + len(todo) >= budget:
+            refused[host] = f"{why}, but spec.cordonBudget={budget} machines were cordoned within the hour already"
+        else:
+            todo[host] = (node, why)
+    return todo, refused

@@ -1,5 +1,5 @@
 """`python -m megascale.driver.k8s.jobdriver --namespace NS --name JOB --redis URL --kafka BOOTSTRAP`:
-one TrainingJob's driver: the reconcile loop of `megascale run`, with pods for nodes.
+one TrainingJob's driver: the reconcile loop of `megascale run`, with pods for nodes (`spawn` starts it).
 
 The operator runs one per job as a child process, as `megascale run`'s supervisor does: a driver
 that dies takes no other job with it, and its successor resumes from the job's record in Redis.
@@ -10,9 +10,12 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Iterable, Optional
 
+from megascale.common.auth import SECRETS_ENV
 from megascale.config import ConfigError, from_dict
 from megascale.common.lifetime import die_with_parent
 
@@ -22,7 +25,28 @@ from ..reconcile import Driver
 from ..state import JobStore
 from .backend import KubernetesBackend
 from .kube import Kube, connect
-from .spec import job_id
+from .spec import PodPolicy, job_id
+
+
+def spawn(namespace: str, name: str, redis_url: str, kafka: str, *, kubeconfig: Optional[str],
+          service_accounts: Iterable[str], secrets_file: Optional[Path], log_file: Optional[Path]) -> subprocess.Popen:
+    """Starts one job's driver as the operator's child (`main` below parses this command line); the job's
+    secrets file reaches it by path in the environment, never in its arguments."""
+    argv = [sys.executable, "-m", "megascale.driver.k8s.jobdriver", "--namespace", namespace, "--name", name,
+            "--redis", redis_url, "--kafka", kafka]
+    if kubeconfig:
+        argv += ["--kubeconfig", kubeconfig]
+    for account in sorted(service_accounts):
+        argv += ["--service-account", account]
+    env = {**os.environ, SECRETS_ENV: str(secrets_file)} if secrets_file else None
+    out = open(log_file, "ab") if log_file else None
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                env=env)
+    finally:
+        if out:
+            out.close()
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megascale.driver.k8s.jobdriver", description=__doc__.splitlines()[0])
@@ -31,6 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--redis", required=True)
     p.add_argument("--kafka", required=True)
     p.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
+    p.add_argument("--service-account", action="append", default=[], help="one spec.serviceAccountName allowed")
     args = p.parse_args(argv)
     die_with_parent(os.getppid(), signal.SIGTERM)  # an orderly stop when the operator goes, however it goes
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -48,7 +73,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     launch = NodeLaunch(job=store.job, redis_url=args.redis, kafka=args.kafka, run_dir=rec.run_dir,
                         heartbeat_s=cfg.control.heartbeat_s)
-    backend = KubernetesBackend(Kube(connect(args.kubeconfig)), args.namespace, args.name, launch, store.r)
+    backend = KubernetesBackend(Kube(connect(args.kubeconfig)), args.namespace, args.name, launch, store.r,
+                                PodPolicy(frozenset(args.service_account)))
     return Driver(store, args.redis, args.kafka, backend=backend).run()
 
 

@@ -61,6 +61,7 @@ class Kube:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.networking = client.NetworkingV1Api(api)
         self.extensions = client.ApiextensionsV1Api(api)
 
     @staticmethod
@@ -122,14 +123,19 @@ class Kube:
             raise
 
     def apply_owned(self, kind: str, namespace: str, body: dict) -> None:
-        """Creates a job's Service or ConfigMap; one already there is merge-patched if it is that job's
-        (left by a deleted job of the same name, before garbage collection: the patch moves it to the
+        """Creates a job's Service, ConfigMap, Secret or NetworkPolicy; one already there is merge-patched if it
+        is that job's (left by a deleted job of the same name, before garbage collection: the patch moves it to the
         new owner), and refused if it is anybody else's (SpecError)."""
         create, read, patch = {
             "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service,
                         self.core.patch_namespaced_service),
             "ConfigMap": (self.core.create_namespaced_config_map, self.core.read_namespaced_config_map,
-                          self.core.patch_namespaced_config_map)}[kind]
+                          self.core.patch_namespaced_config_map),
+            "Secret": (self.core.create_namespaced_secret, self.core.read_namespaced_secret,
+                       self.core.patch_namespaced_secret),
+            "NetworkPolicy": (self.networking.create_namespaced_network_policy,
+                              self.networking.read_namespaced_network_policy,
+                              self.networking.patch_namespaced_network_policy)}[kind]
         if self._create(create, namespace, body):
             return
         name, ours = body["metadata"]["name"], body["metadata"]["labels"]
@@ -147,6 +153,13 @@ class Kube:
     def config_map_data(self, namespace: str, name: str) -> Optional[dict]:
         found = self._get(self.core.read_namespaced_config_map, name, namespace)
         return None if found is None else found.get("data") or {}
+
+    def secret(self, namespace: str, name: str) -> Optional[dict]:
+        return self._get(self.core.read_namespaced_secret, name, namespace)
+
+    def secret_labels(self, namespace: str, name: str) -> Optional[dict]:
+        found = self.secret(namespace, name)
+        return None if found is None else found["metadata"].get("labels") or {}
 
     def _create(self, call: Callable, namespace: str, body: dict) -> bool:
         try:

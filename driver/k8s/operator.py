@@ -4,19 +4,22 @@ One level-triggered loop. Informers (list + watch) cache the TrainingJobs, the o
 the machines, and wake the loop on any change; each pass reconciles every job from those caches
 and the job's Redis:
 
-  1. adopt the job once: resolve its config, submit it to Redis (or find it there), apply its
-     Service and ConfigMap; a job whose Redis record was lost is re-seeded from its status
+  1. adopt the job once: resolve its config, check its pod spec, submit it to Redis (or find it there),
+     apply its Service, ConfigMap, credentials and NetworkPolicy (credentials.py); a job whose Redis
+     record was lost is re-seeded from its status
   2. spec.paused -> the desired state in Redis: what `megascale pause` / `resume` write locally
   3. keep its driver (`jobdriver.py`, a child process) running until the job has ended
-  4. evict nodes whose pods or machines failed (health.py); resume a job the driver paused
+  4. evict nodes whose pods or machines failed (health.py); resume a job the driver paused; cordon
+     the machines of nodes evicted for a failed self-check (within spec.cordonBudget and the node pool)
   5. write the status (status.py)
 
 Nothing lives only in this process: a restarted operator resumes from the statuses and Redis.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -24,16 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from kubernetes.client.exceptions import ApiException
+
 from megascale.checkpoint.storage import CheckpointError, StorageUnreadable, check_checkpoint_uri
 from megascale.config import JobConfig, from_dict
 
 from .. import log
 from megascale.common.processes import stop_process, stop_processes
 from ..state import JobRecord, JobState, JobStore
-from . import health
+from . import credentials, health, jobdriver
 from . import status as job_status
 from .backend import K8sState
-from .kube import Informer, Kube
+from .kube import Informer, Kube, reason
 from .spec import (
     GROUP,
     JOB_LABEL,
@@ -42,9 +47,11 @@ from .spec import (
     PLURAL,
     RUN_DIR,
     VERSION,
+    PodPolicy,
     ServiceDefaults,
     SpecError,
     base_config,
+    check_pod_spec,
     config_map,
     job_config,
     job_id,
@@ -80,6 +87,7 @@ class Runtime:
     held: str = ""
     retire_by: float = 0.0
     expiring: bool = False  # the finished job's Redis keys have a TTL
+    secrets_file: Optional[Path] = None  # the job's secrets (megascale.common.auth), for its driver
 
     @property
     def job(self) -> str:
@@ -90,12 +98,16 @@ class Operator:
     def __init__(self, kube: Kube, namespace: Optional[str], defaults: ServiceDefaults, *,
                  kubeconfig: Optional[str] = None, tick_s: float = 1.0, status_every_s: float = 5.0,
                  checkpoint_every_s: float = 60.0, missing_grace_s: float = 30.0, driver_log: Optional[Path] = None,
-                 run_dir: str = RUN_DIR):
+                 run_dir: str = RUN_DIR, pod_policy: PodPolicy = PodPolicy(),
+                 node_pool: Optional[dict[str, str]] = None):
         self.kube, self.namespace, self.defaults, self.kubeconfig = kube, namespace, defaults, kubeconfig
         self.run_dir = run_dir  # the ranks' run directory in every pod (and the drivers' timings store here)
         self.tick_s, self.status_every_s = tick_s, status_every_s
         self.checkpoint_every_s, self.missing_grace_s = checkpoint_every_s, missing_grace_s
         self.driver_log = driver_log
+        self.pod_policy = pod_policy
+        self.node_pool = node_pool or {}  # labels a machine must carry for the operator to cordon it
+        self.keys_dir: Optional[Path] = None  # 0700, made on first use: the drivers' secrets files
         self.runtimes: dict[tuple[str, str], Runtime] = {}
         self.retiring: list[tuple[Runtime, bool]] = []  # (job, deleted)
         self.stopping = threading.Event()
@@ -138,6 +150,9 @@ class Operator:
             for informer in informers:
                 informer.stop()
             self._stop_drivers()
+            if self.keys_dir is not None:  # the next operator writes them again from the Secrets
+                shutil.rmtree(self.keys_dir, ignore_errors=True)
+                self.keys_dir = None
 
     def stop(self) -> None:
         self.stopping.set()
@@ -188,6 +203,7 @@ class Operator:
         self._apply_paused(rt, spec, rec)
         self._keep_driver(rt, rec)
         self._evict(rt, spec, rec, pods, machines, requested)
+        self._cordon(rt, spec, rec, machines)
         self._write_status(rt, cr, rec, pods)
 
     # -- 1. adoption ------------------------------------------------------------------------------
@@ -196,6 +212,7 @@ class Operator:
         meta, spec, previous = cr["metadata"], cr["spec"], cr.get("status") or {}
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         try:
+            check_pod_spec(spec, self.pod_policy, lambda secret: self.kube.secret_labels(namespace, secret))
             redis_url, kafka = services(spec, self.defaults)
             store = JobStore.from_url(redis_url, job_id(namespace, name))
             state = K8sState(store.r, store.job)
@@ -210,6 +227,7 @@ class Operator:
             # Before anything starts: a name taken by someone else's Service stops the job here.
             self.kube.apply_owned("ConfigMap", namespace, config_map(cr, cfg))
             self.kube.apply_owned("Service", namespace, service(cr))
+            secrets_file = self._credentials(cr, store)
         except (SpecError, CheckpointError) as e:
             self._invalid(cr, str(e))
             return None
@@ -226,13 +244,24 @@ class Operator:
             log.info("job %s: submitted (%d nodes, %d spares)", store.job, cfg.cluster.nodes, cfg.cluster.spares)
         self._said.pop((namespace, name), None)
         return Runtime(namespace, name, uid, store, state, redis_url, kafka, paused, previous,
-                       checkpoint=previous.get("lastCheckpoint"))
+                       checkpoint=previous.get("lastCheckpoint"), secrets_file=secrets_file)
+
+    def _credentials(self, cr: dict, store: JobStore) -> Path:
+        """Provisions the job's credentials; returns its secrets file for the driver (the HMAC key checks
+        the heartbeats)."""
+        job_secrets = credentials.provision(self.kube, cr, store.r, store.job)
+        if self.keys_dir is None:
+            self.keys_dir = Path(tempfile.mkdtemp(prefix="megascale-operator-"))
+        path = self.keys_dir / f"{store.job}.secret"
+        job_secrets.write(path)
+        return path
 
     def _check_fresh_start(self, job: str, cfg: JobConfig) -> None:
         """As `megascale launch` does: a new job does not restart into another run's checkpoints. Storage
         this pod cannot list (only the executors hold its credentials or volume) is the user's to vouch for."""
         try:
-            check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem)
+            check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem,
+                                 cfg.checkpoint.filesystem_options)
         except StorageUnreadable as e:
             log.warning("job %s: not checked for an earlier run's checkpoints: %s", job, e)
 
@@ -297,17 +326,10 @@ class Operator:
                                                f"{RESTART_WINDOW_S:.0f} s; waiting before the next start")
             return
         rt.starts.append(now)
-        argv = [sys.executable, "-m", "megascale.driver.k8s.jobdriver", "--namespace", rt.namespace, "--name", rt.name,
-                "--redis", rt.redis_url, "--kafka", rt.kafka]
-        if self.kubeconfig:
-            argv += ["--kubeconfig", self.kubeconfig]
-        out = open(self.driver_log / f"{rt.job}.log", "ab") if self.driver_log else None
-        try:  # without a log directory the driver writes to the operator's stderr: `kubectl logs` shows both
-            rt.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT if out else None)
-        finally:
-            if out:
-                out.close()
+        # Without a log directory the driver writes to the operator's stderr: `kubectl logs` shows both.
+        rt.proc = jobdriver.spawn(rt.namespace, rt.name, rt.redis_url, rt.kafka, kubeconfig=self.kubeconfig,
+                                  service_accounts=self.pod_policy.service_accounts, secrets_file=rt.secrets_file,
+                                  log_file=self.driver_log / f"{rt.job}.log" if self.driver_log else None)
         log.info("job %s: driver started (pid %d)", rt.job, rt.proc.pid)
 
     def _stop_drivers(self) -> None:
@@ -343,6 +365,27 @@ class Operator:
             log.info("job %s: resuming it after the driver paused it (%s)", rt.job, rec.reason)
             rt.store.set_desired("running")
 
+    def _cordon(self, rt: Runtime, spec: dict, rec: JobRecord, machines: dict[str, dict]) -> None:
+        """Cordons what `health.cordons` allows: machines that failed a self-check, in the pool, within budget."""
+        if rec.recovery is None:
+            return
+        pool = {**self.node_pool, **(spec.get("nodeSelector") or {})}
+        now = time.time()
+        todo, refused = health.cordons(rec, rt.state.host_of, rt.state.cordoned(), machines, pool,
+                                       spec.get("cordonBudget", 1), now)
+        for host, why_not in refused.items():
+            self._say((rt.namespace, rt.name, "cordon", host), f"job {rt.job}: not cordoning {host}: {why_not}")
+        for host, (node, why) in todo.items():
+            try:
+                self.kube.cordon(host, f"{rt.namespace}/{rt.name} evicted node {node} at "
+                                       f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))}: {why}")
+            except ApiException as e:  # the job's anti-affinity keeps its own pods off the machine regardless
+                self._say((rt.namespace, rt.name, "cordon", host), f"job {rt.job}: could not cordon {host}: "
+                                                                   f"{reason(e)}")
+                continue
+            rt.state.add_cordoned(host, now)
+            log.info("job %s: cordoned %s (node %s: %s)", rt.job, host, node, why)
+
     # -- 5. status ------------------------------------------------------------------------------------
 
     def _write_status(self, rt: Runtime, cr: dict, rec: JobRecord, pods: dict[str, dict]) -> None:
@@ -371,7 +414,9 @@ class Operator:
         try:
             from megascale.checkpoint.storage import committed_steps, open_storage
 
-            steps = committed_steps(open_storage(checkpoint["uri"], checkpoint.get("filesystem")))
+            # By registered name only (open_storage never imports what a record names).
+            steps = committed_steps(open_storage(checkpoint["uri"], checkpoint.get("filesystem"),
+                                                 checkpoint.get("filesystem_options")))
             if steps:
                 rt.checkpoint = {"step": steps[-1], "uri": checkpoint["uri"]}
         except Exception as e:  # noqa: BLE001 - storage the operator cannot read: the status says nothing new
@@ -404,11 +449,14 @@ class Operator:
             if running:
                 stop_process(rt.proc, grace_s=5)
             self.retiring.remove(item)
+            if rt.secrets_file:
+                rt.secrets_file.unlink(missing_ok=True)
             if deleted:
                 try:
                     rt.state.wipe()
-                except Exception as e:  # noqa: BLE001 - leftover keys harm nothing: a new job of the name wipes them
-                    log.warning("job %s: could not remove its keys from Redis: %s", rt.job, e)
+                    credentials.drop_redis_user(rt.store.r, rt.job)
+                except Exception as e:  # noqa: BLE001 - a new job of the name wipes the keys and replaces the user
+                    log.warning("job %s: could not remove its keys and Redis user: %s", rt.job, e)
 
     def _say(self, key: tuple, message: str, error: Optional[BaseException] = None) -> None:
         """Logs a job's trouble once, not every pass."""

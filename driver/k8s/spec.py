@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
+from megascale.common.auth import SECRETS_ENV
 from megascale.config import RUN_DIR as RUN_DIR_PLACEHOLDER
 from megascale.config import ConfigError, JobConfig, from_dict
 
@@ -35,6 +37,16 @@ WORK_DIR = "/var/lib/megascale/work"  # executor log and rank logs (emptyDir)
 RUN_DIR = "/var/lib/megascale/run"
 CONFIG_DIR = "/etc/megascale"  # the resolved job config, for whoever reads a pod
 DEVICE_RESOURCE = "nvidia.com/gpu"
+SHM_SIZE = "8Gi"  # /dev/shm (memory, counted against the pod's limit) unless spec.shmSize says otherwise
+
+# The job's own secrets file (megascale.common.auth: its HMAC key, its Redis ACL user and password;
+# credentials.py), from a Secret volume: a file, never arguments or env values, which `kubectl describe` prints.
+CREDENTIALS_DIR = "/var/run/megascale/credentials"
+SECRETS_FILE = "secrets.json"
+# Secrets a job asks for in spec.secrets, each under its own name here; only those a namespace admin
+# labelled for jobs are mounted (a job author may be unable to read the namespace's other Secrets).
+SECRETS_DIR = "/var/run/megascale/secrets"
+ALLOW_JOBS_LABEL = "megascale.io/allow-jobs"
 
 # spec.policy field -> (control.* field, default). Pods start slower than local processes (image
 # pulls, scheduling), hence a longer start timeout than `megascale run`'s.
@@ -66,6 +78,12 @@ class SpecError(ValueError):
 
 
 @dataclass
+class PodPolicy:
+    """What the operator's configuration lets a job's pods have, beyond their own spec."""
+    service_accounts: frozenset[str] = field(default_factory=frozenset)  # spec.serviceAccountName may name these
+
+
+@dataclass
 class ServiceDefaults:
     """The operator's own Redis and Kafka, for jobs whose spec names none (deploy/services.yaml)."""
     redis: Optional[str] = None
@@ -83,6 +101,15 @@ def pod_name(name: str, node: str) -> str:
 
 def config_map_name(name: str) -> str:
     return f"{name}-resolved-config"
+
+
+def credentials_name(name: str) -> str:
+    return f"{name}-credentials"
+
+
+def redis_user(job: str) -> str:
+    """The job's Redis ACL user (credentials.py)."""
+    return f"megascale-job-{job}"
 
 
 # -- spec -> JobConfig ---------------------------------------------------------------------------
@@ -189,14 +216,15 @@ def labels(cr: dict, node: Optional[str] = None) -> dict:
     return found
 
 
-def _metadata(cr: dict, name: str, node: Optional[str] = None) -> dict:
+def object_metadata(cr: dict, name: str, node: Optional[str] = None) -> dict:
     return {"name": name, "namespace": cr["metadata"]["namespace"], "labels": labels(cr, node),
             "ownerReferences": [owner_reference(cr)]}
 
 
 def config_map(cr: dict, cfg: JobConfig) -> dict:
     """The resolved job config, mounted read-only in every pod and readable with kubectl."""
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(cr, config_map_name(cr["metadata"]["name"])),
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": object_metadata(cr, config_map_name(cr["metadata"]["name"])),
             "data": {"config.yaml": yaml.safe_dump(cfg.to_dict(), sort_keys=False)}}
 
 
@@ -204,25 +232,32 @@ def service(cr: dict) -> dict:
     """Headless: every pod gets `<node>.<job>.<namespace>.svc` (hostname + subdomain), ready or not,
     so ranks can reach each other by name while they rendezvous."""
     name = cr["metadata"]["name"]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(cr, name),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_metadata(cr, name),
             "spec": {"clusterIP": "None", "selector": {JOB_LABEL: name}, "publishNotReadyAddresses": True}}
 
 
 def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str]) -> dict:
     """One executor pod. `avoid_hosts` are the Kubernetes nodes evicted from this job: a required node
-    anti-affinity keeps its later pods off them even after someone uncordons them."""
+    anti-affinity keeps its later pods off them even after someone uncordons them. The spec must have
+    passed `check_pod_spec` (the CRD schema refuses the same)."""
     spec, name = cr["spec"], cr["metadata"]["name"]
-    args = ["-m", "megascale.executor", "--job", launch.job, "--node", node, "--redis", launch.redis_url,
+    args = ["-m", "megascale.executor", "--job", launch.job, "--node", node, "--redis", without_login(launch.redis_url),
             "--kafka", launch.kafka, "--work-dir", WORK_DIR, "--heartbeat-s", f"{launch.heartbeat_s:g}"]
     env = [{"name": "MEGASCALE_NODE", "value": node},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": SECRETS_ENV, "value": f"{CREDENTIALS_DIR}/{SECRETS_FILE}"},  # the path, not the secrets
            *copy.deepcopy(spec.get("env") or [])]
+    secrets = [s["name"] for s in spec.get("secrets") or []]
     container = {
         "name": "executor", "image": spec["image"], "command": ["python"], "args": args, "env": env,
         "resources": _resources(spec),
         "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "run", "mountPath": launch.run_dir},
                          {"name": "shm", "mountPath": "/dev/shm"},
-                         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+                         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                         {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
+                         *({"name": f"secret-{i}", "mountPath": f"{SECRETS_DIR}/{secret}", "readOnly": True}
+                           for i, secret in enumerate(secrets))],
+        "securityContext": _container_security(spec),
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -233,24 +268,69 @@ def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str]) -> dict
         "automountServiceAccountToken": False,  # executors never call the API server
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"},
+                            **({"runAsNonRoot": True} if spec.get("runAsNonRoot") else {})},
         "affinity": _affinity(name, avoid_hosts),
         "containers": [container],
         "volumes": [{"name": "work", "emptyDir": {}}, {"name": "run", "emptyDir": {}},
-                    # NCCL and the node's shared-memory data loader need more than the runtime's 64 MiB /dev/shm.
-                    {"name": "shm", "emptyDir": {"medium": "Memory"}},
-                    {"name": "config", "configMap": {"name": config_map_name(name)}}],
+                    # NCCL and the node's shared-memory data loader need more than the runtime's 64 MiB /dev/shm;
+                    # bounded, as it is memory the pod's limit counts.
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.get("shmSize", SHM_SIZE))}},
+                    {"name": "config", "configMap": {"name": config_map_name(name)}},
+                    # 0444: every process that can read it is the job's own (one container, its ranks).
+                    {"name": "credentials", "secret": {"secretName": credentials_name(name), "defaultMode": 0o444}},
+                    *({"name": f"secret-{i}", "secret": {"secretName": secret}} for i, secret in enumerate(secrets))],
     }
     for key in ("nodeSelector", "tolerations", "serviceAccountName"):
         if spec.get(key):
             body[key] = copy.deepcopy(spec[key])
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": _metadata(cr, pod_name(name, node), node), "spec": body}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(cr, pod_name(name, node), node),
+            "spec": body}
+
+
+def _container_security(spec: dict) -> dict:
+    """Nothing but what training needs: IPC_LOCK pins RDMA buffers (spec.rdma), nothing else is added."""
+    return {"allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if spec.get("rdma") else {})}}
+
+
+def without_login(url: str) -> str:
+    """`url` without user or password: the operator's own credentials never reach a pod, whose processes log
+    in as the job's user from its secrets file."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def check_pod_spec(spec: dict, policy: PodPolicy, secret_labels: Callable[[str], Optional[dict]]) -> None:
+    """Refuses (SpecError, naming the field) what would let a job's pods reach beyond the job: env values
+    from Secrets or ConfigMaps, Secrets their namespace did not label for jobs, a service account the
+    operator's configuration does not list. `secret_labels(name)` is a Secret's labels, None if absent."""
+    for i, var in enumerate(spec.get("env") or []):
+        source = sorted(set(var.get("valueFrom") or {}) - {"fieldRef"})
+        if source:
+            raise SpecError(f"spec.env[{i}].valueFrom.{source[0]}: env values are literal or fieldRef only; "
+                            f"name a Secret labelled {ALLOW_JOBS_LABEL}=\"true\" in spec.secrets instead")
+    for i, secret in enumerate(spec.get("secrets") or []):
+        found = secret_labels(secret["name"])
+        if found is None:
+            raise SpecError(f"spec.secrets[{i}].name={secret['name']!r}: no such Secret in the job's namespace")
+        if found.get(ALLOW_JOBS_LABEL) != "true":
+            raise SpecError(f"spec.secrets[{i}].name={secret['name']!r}: the Secret is not labelled "
+                            f"{ALLOW_JOBS_LABEL}=\"true\" (its namespace's admins decide which Secrets jobs may mount)")
+    account = spec.get("serviceAccountName")
+    if account and account not in policy.service_accounts:
+        allowed = ", ".join(sorted(policy.service_accounts)) or "none"
+        raise SpecError(f"spec.serviceAccountName={account!r}: not allowed by the operator (allowed: {allowed}; "
+                        f"`megascale kube operator --service-account NAME`)")
 
 
 def _resources(spec: dict) -> dict:
-    resources = copy.deepcopy(spec.get("resources") or {})
+    # Quantities are strings in a pod (the CRD also takes `cpu: 8`; the client refuses an int before sending it).
+    resources = {kind: {name: str(value) for name, value in found.items()}
+                 for kind, found in (spec.get("resources") or {}).items()}
     device = spec.get("deviceResource", DEVICE_RESOURCE)
     if device:  # extended resources are set as limits; requests default to them
-        resources.setdefault("limits", {})[device] = spec["devicesPerNode"]
+        resources.setdefault("limits", {})[device] = str(spec["devicesPerNode"])
     return resources
 
 

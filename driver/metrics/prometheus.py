@@ -28,6 +28,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "megascale_job_total_steps": ("gauge", "Steps the job is configured to train.", _JOB),
     "megascale_job_loss": ("gauge", "Training loss at the newest step.", _JOB),
     "megascale_job_tokens_per_second": ("gauge", "Training throughput at the newest step.", _JOB),
+    "megascale_job_val_loss": ("gauge", "Validation loss at the newest validation (eval.every).", _JOB),
+    "megascale_job_val_perplexity": ("gauge", "Validation perplexity, exp(val_loss).", _JOB),
+    "megascale_job_val_step": ("gauge", "The step of the newest validation.", _JOB),
     "megascale_job_restarts_total": ("counter", "Automatic restarts of the job's ranks.", _JOB),
     "megascale_job_ettr_ratio": ("gauge", "Effective training time ratio: productive time / wall time.", _JOB),
     "megascale_job_mttr_seconds": ("gauge", "Mean time to recovery after a fault.", _JOB),
@@ -43,6 +46,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "megascale_metrics_records_total": ("counter", "Step-timing records the driver stored.", _JOB),
     "megascale_metrics_dropped_total": ("counter", "Step-timing records senders dropped because their queue was full.",
                                         _JOB),
+    "megascale_heartbeats_rejected_total": ("counter", "Heartbeat records the driver dropped, by reason (unsigned, "
+                                            "bad mac, replay, unknown node, malformed, other job).", (*_JOB, "reason")),
 }
 _FAMILY = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}  # a counter family adds `_total` itself
 
@@ -74,6 +79,9 @@ def families(job: str, status: dict, latest: Iterable[dict] = (), findings: Iter
     out.add("megascale_job_total_steps", status.get("total_steps"), job=job)
     out.add("megascale_job_loss", status.get("loss"), job=job)
     out.add("megascale_job_tokens_per_second", status.get("tokens_per_s"), job=job)
+    out.add("megascale_job_val_loss", status.get("val_loss"), job=job)
+    out.add("megascale_job_val_perplexity", status.get("val_ppl"), job=job)
+    out.add("megascale_job_val_step", status.get("val_step"), job=job)
     out.add("megascale_job_restarts_total", status.get("restarts", 0), job=job)
     out.add("megascale_job_ettr_ratio", status.get("ettr"), job=job)
     out.add("megascale_job_mttr_seconds", status.get("mttr_s"), job=job)
@@ -94,6 +102,8 @@ def families(job: str, status: dict, latest: Iterable[dict] = (), findings: Iter
                 segment=f.segment, dimension=f.dimension)
     out.add("megascale_metrics_records_total", stored, job=job)
     out.add("megascale_metrics_dropped_total", dropped, job=job)
+    for reason, count in sorted(status.get("rejected", {}).items()):
+        out.add("megascale_heartbeats_rejected_total", count, job=job, reason=reason)
     return out.filled()
 
 

@@ -76,8 +76,13 @@ class RunDirSource:
         last = _last_json_line(self.dir / "metrics.jsonl") or {}
         total = (self.config.get("train") or {}).get("steps")
         state = "finished" if total and last.get("step", 0) >= total else "running" if last else "starting"
-        return {"job": self.job, "state": state, "step": last.get("step"), "total_steps": total,
-                "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"), "run_dir": str(self.dir)}
+        status = {"job": self.job, "state": state, "step": last.get("step"), "total_steps": total,
+                  "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"), "run_dir": str(self.dir)}
+        if (self.config.get("eval") or {}).get("every"):  # the newest validation: at most eval.every lines back
+            validated = _last_json_line(self.dir / "metrics.jsonl", "val_loss") or {}
+            status.update(val_step=validated.get("step"), val_loss=validated.get("val_loss"),
+                          val_ppl=validated.get("val_ppl"))
+        return status
 
 
 def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Optional[str] = None,
@@ -116,14 +121,26 @@ def _yaml(path: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def _last_json_line(path: Path) -> Optional[dict]:
+def _last_json_line(path: Path, key: Optional[str] = None) -> Optional[dict]:
+    """The last JSON line of `path` (the last with `key`, when given), read backwards in blocks."""
     try:
         with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
+            end, cut = f.seek(0, 2), b""
+            while end > 0:
+                start = max(0, end - 65536)
+                f.seek(start)
+                lines = (f.read(end - start) + cut).splitlines()
+                cut, end = (lines.pop(0) if start and lines else b""), start  # a line the block began inside
+                for line in reversed(lines):
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if key is None or key in record:
+                        return record
     except FileNotFoundError:
         return None
+    return None
     for line in reversed(lines):
         try:
             return json.loads(line)

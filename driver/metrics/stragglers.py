@@ -11,15 +11,17 @@ Every figure is compared only with work of the same kind:
            median), against its usual y. Dividing by the other stages at the same step cancels what slows
            the whole job at once (a busy host, a checkpoint); the usual y is its share of the work.
 
-Each series is judged over windows of its last 4, 8, 16 and 32 judged steps (evidence.py): the window's
-trimmed mean less the usual value is its slowdown; over its standard error (from the noise measured on
-this job now, or the spread of all ranks' slowdowns over the same steps if larger) a z-score, whose
-one-sided normal probability is the finding's `confidence`. A finding needs z >= `report_z` in a
-window that also shows that window's slowdown (`windows`: the shorter the evidence, the bigger the
-slowdown it must show) and an excess of at least `min_excess_s` and `min_share` of the step; it stays
-while some window keeps z >= `keep_z` (no flicker at the threshold). The first `warmup_steps` steps of
-each incarnation (allocator and cache warm-up, a restore) are not judged, and a stage only once
-`min_history` steps have taught it its usual share. docs/observability.md has the measured precision.
+A rank is judged over windows of its last 4, 6, 8 and 10 judged steps by its fast steps, against the
+same statistic over its earlier windows (evidence.py); a stage over 8, 16 and 32, by the window's trimmed
+mean against its usual value. The excess is its slowdown; over its standard error (learned from the
+earlier windows, or the noise measured on this job now, or the spread of all ranks' windows over the same
+steps if larger) a z-score, whose one-sided normal probability is the finding's `confidence`. A finding
+needs z >= `report_z` in a window that also shows that window's slowdown (`windows`: the shorter the
+evidence, the bigger the slowdown it must show) and an excess of at least `min_excess_s` and `min_share`
+of the step; it stays while some window keeps z >= `keep_z` (no flicker at the threshold). The first
+`warmup_steps` steps of each incarnation (allocator and cache warm-up, a restore) are not judged, and a
+stage only once `min_history` steps have taught it its usual share. docs/observability.md has the
+measured precision and recall.
 
 Where it shows (`dimension`):
   tp  slower than its own TP peers too: one device (a GPU, its link) on that node;
@@ -53,11 +55,12 @@ _STALE_STEPS = 32  # a step this far behind the newest is judged with the ranks 
 class Thresholds:
     min_excess_s: float = 0.005  # by at least 5 ms a step: timer noise on tiny segments is not a straggler
     min_share: float = 0.05  # and by at least 5% of the step: a 6 ms stall in a 1 s step costs nothing
-    report_z: float = 4.25  # evidence to report (confidence 0.99999)
+    report_z: float = 4.0  # evidence to report (confidence 0.99997)
     keep_z: float = 2.0  # a reported finding clears below this
     # (judged steps, the slowdown it takes over that many): the shorter the evidence, the bigger the
     # slowdown it must show, so a burst of host noise on one rank for a few steps is not a straggler.
-    windows: tuple[tuple[int, float], ...] = ((4, 3.0), (8, 1.6), (16, 1.3), (32, 1.15))
+    # Up to 10 steps: a finding within 10 steps of the onset is the goal (megascale bench stragglers).
+    windows: tuple[tuple[int, float], ...] = ((4, 3.0), (6, 1.25), (8, 1.2), (10, 1.15))
     pp_windows: tuple[tuple[int, float], ...] = ((8, 1.6), (16, 1.4), (32, 1.3))  # a stage's, against its usual pace
     warmup_steps: int = 5  # of each incarnation, not judged
     history: int = 32  # judged steps a usual value is learned from
@@ -65,6 +68,8 @@ class Thresholds:
     bias_cap: float = 1.1  # a rank's usual ratio to its stage peers counts within 1/1.1 .. 1.1
     noise_floor: float = 0.02  # per-step noise is taken as at least 2% (identical peers have none)
     trim: float = 0.2  # of each end of a window, dropped before the mean: one hiccup is not evidence
+    keep: tuple[float, float] = (0.1, 0.6)  # a rank's window is judged from its 10th to 60th percentile step
+    # (evidence.py: host noise only adds time; the fastest steps are those its peers were slow in)
 
 
 @dataclass
@@ -213,7 +218,10 @@ class StragglerMonitor:
                 sigma = noise(chosen.values(), th.noise_floor)
                 evidence = {key: s.windows([w for w, _ in sizes], sigma, 0 if kind == "rank" else th.min_history)
                             for key, s in chosen.items()}
-                (against_each_other if kind == "rank" else on_its_own)(evidence.values())
+                if kind == "rank":
+                    against_each_other(evidence.values(), th.noise_floor)
+                else:
+                    on_its_own(evidence.values())
                 for key, series in chosen.items():
                     self._decide(key, series, evidence[key], sigma, ranks)
 
@@ -223,9 +231,9 @@ class StragglerMonitor:
         for rank, (value, ref, tp_ref) in peer_ratios(ranks, segment).items():
             if value > 0 and ref > 0:
                 x_tp = math.log(value / tp_ref) if tp_ref else None
-                series = self._series.setdefault((segment, "rank", rank),
-                                                 Series(th.history, longest, th.trim, th.bias_cap))
-                series.points.append(Point(step, value, ref, math.log(value / ref), x_tp, total))
+                series = self._series.setdefault((segment, "rank", rank), Series(
+                    th.history, longest, th.trim, th.bias_cap, th.keep, [w for w, _ in th.windows]))
+                series.add(Point(step, value, ref, math.log(value / ref), x_tp, total))
         stages: dict[int, list[float]] = defaultdict(list)
         for r in ranks.values():
             stages[r["pp"]].append(segment_value(r, segment))
@@ -235,7 +243,7 @@ class StragglerMonitor:
             ref = statistics.median(others) if others else 0.0
             if value > 0 and ref > 0:
                 series = self._series.setdefault((segment, "stage", p), Series(th.history, longest, th.trim, None))
-                series.points.append(Point(step, value, ref, math.log(value / ref), None, total))
+                series.add(Point(step, value, ref, math.log(value / ref), None, total))
 
     def _decide(self, key: tuple, series: Series, windows: dict[int, Window], sigma: float,
                 ranks: dict[int, dict]) -> None:

@@ -4,16 +4,17 @@
 - localization.py: which rank a hang waits for, from the flight recorders
 - selfcheck.py: the suspects and their group peers run the diagnostics suite
 - policy.py: restart, pause or give up, and which nodes to evict for spares
+- shrink.py: the dp and nodes of the next incarnation when nodes are short (control.no_spare)
 - timings.py: each recovery's MTTR phases, and ETTR
 - recoverer.py: a recovery step by step, each step awaited through the job record
 
 The recovery record itself (Phase, Fault, Recovery) is part of the job record: driver/state.py.
 """
-from . import timings
+from . import shrink, timings
 from .detection import Liveness, StragglerWatch, all_succeeded
 from .hang import HangClock, checkpoint_waits, progress
 from .localization import HangReport, localize_hang
 from .recoverer import Recoverer
 
 __all__ = ["HangClock", "HangReport", "Liveness", "Recoverer", "StragglerWatch", "all_succeeded",
-           "checkpoint_waits", "localize_hang", "progress", "timings"]
+           "checkpoint_waits", "localize_hang", "progress", "shrink", "timings"]

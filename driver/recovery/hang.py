@@ -15,13 +15,15 @@ from ..state import Fault, JobRecord
 
 
 def progress(rec: JobRecord, views: dict[str, NodeView]) -> dict:
-    """The newest step of the current incarnation that any node reported, with its loss and timings."""
+    """The newest step of the current incarnation that any node reported, with its loss and timings (and
+    the newest validation's)."""
     best: dict = {}
     for view in views.values():
         hb = view.hb
         if hb.incarnation == rec.incarnation and hb.step is not None and hb.step >= best.get("step", -1):
             if hb.loss is not None or "loss" not in best:
                 best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s,
+                        "val_step": hb.val_step, "val_loss": hb.val_loss, "val_ppl": hb.val_ppl,
                         "step_time": hb.step_time, "age_s": hb.step_age_s,
                         "seen": view.wall - (hb.step_age_s or 0.0)}  # when the node saw it, by our clock
     return best

@@ -11,11 +11,12 @@ import time
 from typing import Callable, Optional, Protocol
 
 from megascale.config import JobConfig
+from megascale.elastic import layout_at
 
 from ..commands import Commands
 from ..pool import NodePool
 from ..state import Fault, JobRecord, JobState, JobStore, NodeSlot, Phase, Recovery
-from . import policy, selfcheck, timings
+from . import policy, selfcheck, shrink, timings
 from .detection import Liveness
 from .hang import HangClock, progress
 from .localization import localize
@@ -55,7 +56,8 @@ class Recoverer:
 
     def step(self, rec: JobRecord) -> None:
         """Localise (hangs) -> stop every rank -> self-check suspects and their peers -> decide."""
-        host, cfg, recovery = self.host, self.host.cfg, rec.recovery  # `open` set it before moving the job here
+        host, recovery = self.host, rec.recovery  # `open` set it before moving the job here
+        cfg = layout_at(host.cfg, rec.dp)  # the groups and nodes of the incarnation that failed
         ctl = cfg.control
         if rec.phase is Phase.IDLE:
             host.commands.await_phase(rec, Phase.LOCALIZE if recovery.fault.kind == "hang" else Phase.STOP)
@@ -119,12 +121,14 @@ class Recoverer:
             for node, why in policy.evictions(rec, recovery, dead, host.cfg).items():
                 self.evict(rec, node, why)
             rec.restarts += 0 if fault.kind == "evicted" else 1
+            self._place(rec)
             if short := host.pool.missing(rec):
-                host.move(rec, JobState.PAUSED, f"waiting for capacity: {short} node(s) short and no spare left; "
-                          f"resumes when a spare reports (`megascale spares {rec.job} 1` adds one; "
+                shrinks = " and no smaller dp fits" if host.cfg.control.no_spare == "shrink" else ""
+                host.move(rec, JobState.PAUSED, f"waiting for capacity: {short} node(s) short and no spare left"
+                          f"{shrinks}; resumes when a spare reports (`megascale spares {rec.job} 1` adds one; "
                           f"`megascale stop {rec.job}` ends the job)")
             else:
-                host.move(rec, JobState.INITIALIZING, reason)
+                host.move(rec, JobState.INITIALIZING, reason + shrink.describe(rec, host.cfg))
         elif decision == "pause":
             host.store.set_desired("paused")
             host.move(rec, JobState.PAUSED, reason)
@@ -150,15 +154,20 @@ class Recoverer:
             for node in dead:
                 self.evict(rec, node, f"dead ({rec.slot(node).dead or 'no heartbeat'})")
             dead = []
-        host.pool.refill_position(rec)
         if dead:
             return (f"cannot resume: node {dead[0]} is dead; `megascale evict {rec.job} {dead[0]}` "
                     f"replaces it with a spare")
+        self._place(rec)
         if host.pool.missing(rec):
             return f"cannot resume: {host.pool.missing(rec)} node(s) short and no spare left"
         if not all(host.liveness.reporting(s.node) for s in rec.slots("active")):
             return "waiting for the replacement node to report"
         return None
+
+    def _place(self, rec: JobRecord) -> None:
+        """The next incarnation's dp and nodes (control.no_spare); a change of dp is an event."""
+        if change := shrink.place(rec, self.host.cfg, self.host.pool):
+            self.host.event("node", change, rec, dp=rec.dp or self.host.cfg.parallelism.dp)
 
     def evictions(self, rec: JobRecord) -> None:
         """`megascale evict` requests; evicting an active node while ranks run is a fault."""

@@ -15,4 +15,5 @@ BENCHMARKS = {
     "timers": "observability",
     "recovery": "recovery",
     "stragglers": "stragglers",
+    "memory": "memory",
 }

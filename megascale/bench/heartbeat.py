@@ -8,6 +8,8 @@ reads them. Two measurements:
             `heartbeats_per_s` (goal >= 10,000)
   live      M nodes each publishing at 1 Hz for D seconds: the rate kept up with and
             `lag_p99_s`, the time from a node stamping a heartbeat to the driver taking it
+
+Every heartbeat carries the job's HMAC, as in a real job, and the ingestion checks it.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 import time
 from typing import Optional
 
+from megascale.common.auth import JobSecrets, Signer
 from megascale.common.messages import Heartbeat, HostMetrics, RankStatus, encode, topic
 
 from megascale.driver.bus import ensure_topics, make_producer
@@ -41,8 +44,11 @@ def _template(node: str) -> tuple[bytes, bytes]:
     return head + b'"seq":', tail
 
 
-def _simulate(bootstrap: str, nodes: list[str], rounds: int, rate_hz: Optional[float], ready, go, failed) -> None:
-    producer = make_producer(bootstrap, linger_ms=20, batch_size=512 * 1024, max_block_ms=30000)
+def _simulate(bootstrap: str, key: str, nodes: list[str], rounds: int, rate_hz: Optional[float], ready, go,
+              failed) -> None:
+    sign = Signer(bytes.fromhex(key)).sign
+    producer = make_producer(bootstrap, linger_ms=20, batch_size=512 * 1024, max_block_ms=30000,
+                             value_serializer=None)  # signed here, as executors do
     templates = [(n.encode(), *_template(n)) for n in nodes]
     ready.set()
     go.wait()
@@ -55,7 +61,7 @@ def _simulate(bootstrap: str, nodes: list[str], rounds: int, rate_hz: Optional[f
                 if due - time.time() > 0.005:
                     time.sleep(due - time.time())
             now = time.time()
-            future = producer.send(name, key=key, value=head + b"%d,\"time\":%r" % (r + 1, now) + tail)
+            future = producer.send(name, key=key, value=sign(head + b"%d,\"time\":%r" % (r + 1, now) + tail))
             future.add_errback(lambda _: _count(failed))
     producer.flush()
     producer.close()
@@ -84,12 +90,12 @@ _CTX = mp.get_context("spawn")  # a clean interpreter per simulated rack, no inh
 FAILED = _CTX.Value("i", 0)  # sends the broker never acknowledged
 
 
-def _publish(bootstrap: str, nodes: int, rounds: int, rate_hz: Optional[float]) -> list:
+def _publish(bootstrap: str, key: str, nodes: int, rounds: int, rate_hz: Optional[float]) -> list:
     names = [f"n{i}" for i in range(nodes)]
     ready = [_CTX.Event() for _ in range(SIMULATORS)]
     go = _CTX.Event()
     procs = [_CTX.Process(target=_simulate, daemon=True,
-                          args=(bootstrap, names[k::SIMULATORS], rounds, rate_hz, ready[k], go, FAILED))
+                          args=(bootstrap, key, names[k::SIMULATORS], rounds, rate_hz, ready[k], go, FAILED))
              for k in range(SIMULATORS)]
     for p in procs:
         p.start()
@@ -132,12 +138,13 @@ def run(args) -> dict:
     nodes, rounds = (2_000, 5) if quick else (10_000, 6)
     live_nodes, live_s = (1_000, 5) if quick else (5_000, 15)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a kill
+    key = JobSecrets.generate().hmac_key
     broker = EmbeddedKafka().start()
     try:
         # capacity: publish the backlog, then let the driver's ingestion loose on it
         ensure_topics(broker.bootstrap, [topic(JOB, "heartbeats")])
-        _join(_publish(broker.bootstrap, nodes, rounds, None), timeout=120)
-        ingest = _TimedIngest(broker.bootstrap, JOB)
+        _join(_publish(broker.bootstrap, key, nodes, rounds, None), timeout=120)
+        ingest = _TimedIngest(broker.bootstrap, JOB, signer=Signer(bytes.fromhex(key)))
         ingest.start()
         backlog = nodes * rounds
         elapsed = _drain(ingest, backlog, timeout=120)
@@ -148,9 +155,9 @@ def run(args) -> dict:
         # live: nodes at 1 Hz on a fresh topic; lag is stamp-to-ingest
         broker.restart()
         ensure_topics(broker.bootstrap, [topic(JOB, "heartbeats")])
-        ingest = _TimedIngest(broker.bootstrap, JOB)
+        ingest = _TimedIngest(broker.bootstrap, JOB, signer=Signer(bytes.fromhex(key)))
         ingest.start()
-        _join(_publish(broker.bootstrap, live_nodes, live_s, 1.0), timeout=live_s + 60)
+        _join(_publish(broker.bootstrap, key, live_nodes, live_s, 1.0), timeout=live_s + 60)
         _drain(ingest, live_nodes * live_s, timeout=15)
         ingest.stop()
         lags = ingest.lags or [float("nan")]
@@ -162,6 +169,8 @@ def run(args) -> dict:
         "lag_p50_s": _pct(lags, 50),
         "goal_heartbeats_per_s": GOAL,
         "meets_goal": capacity >= GOAL,
+        "hmac": "sha256",
+        "rejected": dict(ingest.ignored),
         "backlog_heartbeats": backlog,
         "backlog_ingested": taken,
         "live_nodes": live_nodes,
@@ -169,7 +178,7 @@ def run(args) -> dict:
         "live_heartbeats": ingest.processed,
         "live_heartbeats_expected": live_nodes * live_s,
         "send_failures": FAILED.value,
-        "heartbeat_bytes": len(_template("n0")[0]) + len(_template("n0")[1]) + 24,
+        "heartbeat_bytes": len(_template("n0")[0]) + len(_template("n0")[1]) + 24 + 74,  # 74: the "mac" field
         "broker": "tansu (embedded, memory)",
         "cpus": os.cpu_count(),
         "load_1m": round(os.getloadavg()[0], 1),

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> dict:
         subprocess.run([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env, check=True,
                        capture_output=True, timeout=90)
         handle = JobHandle.load(JOB)
-        store = JobStore.from_url(handle.redis_url, JOB)
+        store = JobStore.from_url(handle.redis_url, JOB, secrets=handle.job_secrets())
         try:
             status = lambda: json.loads(store.r.get(store.k_status) or "{}")  # noqa: E731
             _wait(lambda: (status().get("step") or 0) >= 15, 60, "training progress")

@@ -4,13 +4,13 @@ does it name a healthy one, on the main example's shape (examples/gpt-tiny.yaml:
 What runs:
 1. A live run: the main example's model, layout and optimizer train on this host (8 gloo ranks on its
    CPUs, synthetic batches) for `LEAD` steps, then `LIVE_FAULTS` times: one rank (a different one each
-   time, at random) slowed by a random factor for `DETECT_STEPS` steps by `megascale chaos slow-rank`'s
+   time, at random) slowed by a random factor for `FAULT_STEPS` steps by `megascale chaos slow-rank`'s
    throttle (executor/throttle.py: SIGSTOP/SIGCONT in a duty cycle), then `GAP` fault-free steps. Each
    fault is a live trial.
 2. Replayed trials from that run's fault-free steps: `TRIALS` fault-free and `TRIALS` faulted ones. Each
    is the run's warm-up steps, then steps drawn in blocks of `BLOCK` consecutive fault-free steps (a
    block bootstrap: this host's noise as it was, its step-to-step correlation kept): `TRIAL_STEPS` of
-   them, or for a faulted trial `ONSET` steps and then `DETECT_STEPS` with one rank slowed: its compute
+   them, or for a faulted trial `ONSET` steps and then `FAULT_STEPS` with one rank slowed: its compute
    times the factor, its peers' waits longer by as much (the ranks step in lockstep). The slow rank
    cycles through all 8 positions (every tp, dp and pp coordinate); the factor is drawn from 1.3-3 in
    every other trial and from 1.3-1.5 in the rest, so the hardest band has enough trials to measure.
@@ -18,11 +18,12 @@ Every trial's records go through the driver's own StragglerMonitor step by step,
 (control.evict_stragglers with control.straggler_evict_after and straggler_evict_confidence) acts on its
 findings, as in the driver.
 
-Keys: `recall`: faulted trials whose slow rank was named within `detect_steps` steps of the onset (also
-per factor band); `precision`: findings naming the slow rank / all findings in faulted trials from the
-onset on; `false_positives_per_10k_rank_steps`: findings in fault-free trials per 10,000 judged rank-steps;
-`detect_steps_median`: steps from the onset to the naming, over the trials drawn from 1.3-3;
-`wrong_evictions`: evictions of a node not hosting the slow rank (any eviction in a fault-free trial).
+Keys: `recall`: faulted trials whose slow rank was named within `detect_steps` (10) steps of the onset,
+its onset step included (also per factor band); `precision`: findings naming the slow rank / all findings
+in faulted trials from the onset on; `false_positives_per_10k_rank_steps`: findings in fault-free trials
+per 10,000 judged rank-steps; `detect_steps_median`: steps from the onset to the naming, over the trials
+drawn from 1.3-3 (named within FAULT_STEPS); `wrong_evictions`: evictions of a node not hosting the slow
+rank (any eviction in a fault-free trial).
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ from megascale.driver.metrics.stragglers import Finding, StragglerMonitor, Thres
 from megascale.driver.recovery.policy import straggler_to_evict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt-tiny.yaml"
-DETECT_STEPS = 32  # steps a fault lasts and is given to be named: the longest evidence window
+DETECT_STEPS = 10  # a slow rank counts as found when named within this many steps of its onset (the goal)
+FAULT_STEPS = 24  # steps a fault lasts: findings after DETECT_STEPS still count for precision
 LEAD = 5 + 40  # warm-up, then fault-free steps before the first live fault
 GAP = 24  # fault-free steps after each live fault (its finding clears before the next)
-LIVE_FAULTS, LIVE_FAULTS_QUICK = 5, 1
+LIVE_FAULTS, LIVE_FAULTS_QUICK = 6, 1
 TRIALS, TRIALS_QUICK = 96, 16
 TRIAL_STEPS = 80  # judged steps of a fault-free trial
 ONSET = (32, 48)  # judged steps before a replayed onset (drawn): the detector has learned the job's pace
@@ -85,7 +87,7 @@ def _train_rank(ctx, cfg: JobConfig, folder: str) -> list[dict]:
 
 
 def _throttle_on_schedule(folder: Path, plan: list[tuple[int, int, float]], done: threading.Event) -> None:
-    """For each (onset, rank, factor): throttles that rank's process through steps onset .. onset + DETECT_STEPS - 1."""
+    """For each (onset, rank, factor): throttles that rank's process through steps onset .. onset + FAULT_STEPS - 1."""
     from megascale.executor.throttle import Throttle
 
     def reached(step: int) -> bool:
@@ -98,7 +100,7 @@ def _throttle_on_schedule(folder: Path, plan: list[tuple[int, int, float]], done
         while not reached(onset - 1) and not done.is_set():
             time.sleep(0.02)
         throttle = Throttle(int((folder / f"pid{rank}").read_text()), factor, until=time.time() + 3600).start()
-        while not reached(onset + DETECT_STEPS - 1) and not done.is_set():
+        while not reached(onset + FAULT_STEPS - 1) and not done.is_set():
             time.sleep(0.02)
         throttle.stop()
 
@@ -201,7 +203,7 @@ def replayed_trials(warmup: list[dict[int, dict]], clean: list[list[dict[int, di
         rank, drawn = world[i % len(world)], FACTORS[i % len(FACTORS)]
         factor = round(rng.uniform(*drawn), 3)
         onset = len(warmup) + rng.randint(*ONSET) + 1
-        stream = bootstrap(rng, warmup, clean, onset - 1 - len(warmup) + DETECT_STEPS)
+        stream = bootstrap(rng, warmup, clean, onset - 1 - len(warmup) + FAULT_STEPS)
         stream = stream[:onset - 1] + [slow_down(s, rank, factor) for s in stream[onset - 1:]]
         trial = Trial(ranks_per_node, control, thresholds).run(stream)
         faulted.append({**trial.score(rank, onset), "rank": rank, "factor": factor, "drawn": list(drawn)})
@@ -239,9 +241,9 @@ def run(args: argparse.Namespace) -> dict:
     faults = LIVE_FAULTS_QUICK if quick else LIVE_FAULTS
     probe = main_example(1)
     ranks_per_node, world = probe.ranks_per_node, probe.parallelism.world_size
-    plan = [(LEAD + 1 + i * (DETECT_STEPS + GAP), rank, round(rng.uniform(*FACTORS[i % 2]), 3))
+    plan = [(LEAD + 1 + i * (FAULT_STEPS + GAP), rank, round(rng.uniform(*FACTORS[i % 2]), 3))
             for i, rank in enumerate(rng.sample(range(world), faults))]
-    cfg = main_example(LEAD + faults * (DETECT_STEPS + GAP))
+    cfg = main_example(LEAD + faults * (FAULT_STEPS + GAP))
     started = time.monotonic()
     steps = by_step(record(cfg, plan))
     recorded_s = time.monotonic() - started
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
     live_scores = [{**live.score(rank, onset, end), "rank": rank, "factor": factor}
                    for (onset, rank, factor), end in zip(plan, ends)]
     warmup = steps[:thresholds.warmup_steps]
-    faulted_steps = {s for onset, _, _ in plan for s in range(onset, onset + DETECT_STEPS)}
+    faulted_steps = {s for onset, _, _ in plan for s in range(onset, onset + FAULT_STEPS)}
     clean, segment = [], []
     for i, ranks in enumerate(steps[len(warmup):], start=len(warmup) + 1):
         if i in faulted_steps:
@@ -261,7 +263,7 @@ def run(args: argparse.Namespace) -> dict:
     clean = [s for s in clean + [segment] if len(s) >= BLOCK]
     fault_free, faulted = replayed_trials(warmup, clean, TRIALS_QUICK if quick else TRIALS, ranks_per_node,
                                           control, thresholds=thresholds)
-    result = {**summary(fault_free, faulted), "detect_steps": DETECT_STEPS,
+    result = {**summary(fault_free, faulted), "detect_steps": DETECT_STEPS, "fault_steps": FAULT_STEPS,
               "live": {**{k: v for k, v in summary([], live_scores).items()
                           if k.startswith(("recall", "precision", "detect"))}, "faults": live_scores},
               "trials": {"fault_free": len(fault_free), "faulted": len(faulted), "live": len(live_scores),

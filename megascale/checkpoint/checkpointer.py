@@ -93,14 +93,14 @@ class Checkpointer:
             {"pp": self.ctx.pp.rank, "params": self.plan.sharded_params()} if contributes else None))
 
     def storage(self) -> Storage:
-        if self._storage is None:
-            self._storage = open_storage(self.uri, self.cfg.checkpoint.filesystem)
+        c = self.cfg.checkpoint
+        self._storage = self._storage or open_storage(self.uri, c.filesystem, c.filesystem_options)
         return self._storage
 
     def _connect(self) -> KeeperLink:
         if self.link is None:
             c = self.cfg.checkpoint
-            self.link = KeeperLink(self.uri, self.ctx.rank, c.filesystem, c.keeper_idle_s)
+            self.link = KeeperLink(self.uri, self.ctx.rank, c.filesystem, c.filesystem_options, c.keeper_idle_s)
             if self.buffer is not None:  # a new keeper: hand it the buffer again
                 self._attach()
         return self.link

@@ -1,6 +1,7 @@
 """A rank's side of the keeper: finding (or starting) it, and the memfd host buffer they share."""
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -59,10 +60,11 @@ class HostBuffer:
 class KeeperLink:
     """One rank's connection to its node's keeper; `snapshot` is what the keeper held at connect."""
 
-    def __init__(self, uri: str, rank: int, factory: Optional[str] = None, idle_s: float = 900.0,
-                 spawn: bool = True):
+    def __init__(self, uri: str, rank: int, filesystem: Optional[str] = None,
+                 options: Optional[dict[str, str]] = None, idle_s: float = 900.0, spawn: bool = True):
+        """`filesystem`, `options`: checkpoint.filesystem and its options, for a keeper this starts."""
         self.uri, self.rank = normalize_uri(uri), rank
-        self.sock = _connect(self.uri, factory, idle_s, spawn)
+        self.sock = _connect(self.uri, (filesystem, options or {}), idle_s, spawn)
         self.send({"op": "hello", "rank": rank})
         reply = self.recv(timeout=CONNECT_TIMEOUT_S)
         if reply is None:
@@ -119,7 +121,7 @@ class KeeperLink:
         self.sock.close()
 
 
-def _connect(uri: str, factory: Optional[str], idle_s: float, spawn: bool) -> socket.socket:
+def _connect(uri: str, filesystem: tuple[Optional[str], dict], idle_s: float, spawn: bool) -> socket.socket:
     name = ipc.socket_name(uri)
     deadline, lock = time.monotonic() + CONNECT_TIMEOUT_S, None
     try:  # holding the lock until connected: one spawn per node at a time
@@ -127,15 +129,19 @@ def _connect(uri: str, factory: Optional[str], idle_s: float, spawn: bool) -> so
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 sock.connect(name)
+                ipc.check_server(sock, f"the checkpoint keeper socket for {uri}")
                 return sock
             except (ConnectionRefusedError, FileNotFoundError):
                 sock.close()
+            except ipc.ForeignPeer as e:  # before a word is sent: snapshots are the job's weights
+                sock.close()
+                raise CheckpointError(str(e)) from None
             if not spawn:
                 raise KeeperGone(f"no checkpoint keeper serves {uri}")
             if lock is None:
                 lock = _spawn_lock(name)
                 if lock is not None:  # this rank starts the keeper; the node's other ranks wait for it
-                    _spawn(uri, factory, idle_s)
+                    _spawn(uri, filesystem, idle_s)
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint keeper for {uri} did not start within {CONNECT_TIMEOUT_S:.0f} s "
                                       f"(see {_log_path(uri)})")
@@ -162,14 +168,15 @@ def _log_path(uri: str) -> Path:
     return Path(tempfile.gettempdir()) / f"megascale-keeper-{ipc.socket_name(uri)[18:]}.log"
 
 
-def _spawn(uri: str, factory: Optional[str], idle_s: float) -> None:
+def _spawn(uri: str, filesystem: tuple[Optional[str], dict], idle_s: float) -> None:
     root = str(Path(__file__).resolve().parents[2])  # so the keeper imports this same checkout
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     log_path = _log_path(uri)
     command = [sys.executable, "-m", "megascale.checkpoint.keeper", "--uri", uri, "--idle-s", str(idle_s),
                "--log", str(log_path)]
-    if factory:
-        command += ["--filesystem", factory]
+    name, options = filesystem
+    if name:  # a registered name and plain options: the keeper resolves them as open_storage does
+        command += ["--filesystem", name, "--filesystem-options", json.dumps(options)]
     with open(log_path, "ab") as out:
         # Its own session: it must outlive the ranks and ignore the terminal's Ctrl-C.
         _spawned.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
@@ -182,7 +189,7 @@ def _spawn(uri: str, factory: Optional[str], idle_s: float) -> None:
 def shutdown_keeper(uri: str) -> Optional[int]:
     """Stops the keeper serving `uri` (dropping its host snapshots); returns its pid, None if none ran."""
     try:
-        sock = _connect(normalize_uri(uri), None, 0, spawn=False)
+        sock = _connect(normalize_uri(uri), (None, {}), 0, spawn=False)
     except KeeperGone:
         return None
     try:
@@ -195,7 +202,7 @@ def shutdown_keeper(uri: str) -> Optional[int]:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # until its socket is gone, so the next connect cannot reach it
         try:
-            _connect(normalize_uri(uri), None, 0, spawn=False).close()
+            _connect(normalize_uri(uri), (None, {}), 0, spawn=False).close()
         except KeeperGone:
             break
         time.sleep(0.02)

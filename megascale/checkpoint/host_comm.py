@@ -89,14 +89,15 @@ class HostGroups:
                      keep: Optional[Callable[[HostBuffer], list[tuple[int, int]]]] = None,
                      buffer: Callable[[int], HostBuffer] = HostBuffer) -> Optional[HostBuffer]:
         """The source member's shard image on every member (the others' in a `buffer(size)` each);
-        None everywhere if the source had none. `keep(image)`: the byte ranges the members will read,
-        the only ones sent (the rest of their buffers is left as it was); None: all of it."""
+        None everywhere if the source had none, or `keep` found it unusable. `keep(image)`: the byte
+        ranges the members will read, the only ones sent (the rest of their buffers is left as it
+        was), or None if the image is unusable; no `keep`: all of it."""
         if self.ctx.dp.size == 1:
             return image
         src = self.ctx.dp.ranks[source]
         mine = source == self.ctx.dp.rank
-        ranges = ([(0, image.size)] if keep is None else keep(image)) if mine and image is not None else []
-        n = torch.tensor([image.size if mine and image is not None else -1, len(ranges)], dtype=torch.int64)
+        ranges = ([(0, image.size)] if keep is None else keep(image)) if mine and image is not None else None
+        n = torch.tensor([image.size if ranges is not None else -1, len(ranges or ())], dtype=torch.int64)
         dist.broadcast(n, src=src, group=self.dp)
         size, count = n.tolist()
         if size < 0:

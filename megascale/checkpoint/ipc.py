@@ -69,9 +69,23 @@ def recv(sock: socket.socket, timeout: Optional[float] = None) -> Optional[tuple
     return obj, fds
 
 
+class ForeignPeer(PermissionError):
+    """The process at the other end of a local socket runs as another user."""
+
+
 def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED: struct ucred)."""
     _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid
+
+
+def check_server(sock: socket.socket, what: str) -> None:
+    """ForeignPeer (one line) unless the server `sock` connected to runs as this user. Abstract sockets
+    have no file permissions: another local user can bind a name first and wait for our data."""
+    uid = peer_uid(sock)
+    if uid != os.getuid():
+        raise ForeignPeer(f"{what} is held by uid {uid}, not by this user (uid {os.getuid()}): refusing it "
+                          "(another local user bound its name first)")
 
 
 def close_mapping(mapping, fd: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import mmap
 import os
@@ -216,7 +217,9 @@ class Keeper:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megascale.checkpoint.keeper", description=__doc__)
     parser.add_argument("--uri", required=True, help="checkpoint.uri")
-    parser.add_argument("--filesystem", help="checkpoint.filesystem factory (module:function)")
+    parser.add_argument("--filesystem", help="checkpoint.filesystem: a registered file system's name")
+    parser.add_argument("--filesystem-options", type=json.loads, default={},
+                        help="checkpoint.filesystem_options as a JSON object")
     parser.add_argument("--idle-s", type=float, default=900.0, help="exit after this long with no rank connected")
     parser.add_argument("--log", help="this keeper's log file (stderr), deleted on a clean exit without warnings")
     args = parser.parse_args(argv)
@@ -224,8 +227,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     warned = _WarningFlag()
     logging.getLogger().addHandler(warned)
     uri = normalize_uri(args.uri)
-    Keeper(open_storage(uri, args.filesystem), ipc.socket_name(uri), args.idle_s, on_exit=lambda: (
-        _remove_quiet_log(args.log, warned.seen))).serve()
+    storage = open_storage(uri, args.filesystem, args.filesystem_options)
+    Keeper(storage, ipc.socket_name(uri), args.idle_s, on_exit=lambda: _remove_quiet_log(args.log, warned.seen)).serve()
 
 
 def _process(pid: Optional[str]) -> Optional[psutil.Process]:

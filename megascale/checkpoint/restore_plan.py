@@ -18,7 +18,7 @@ import torch
 from megascale.checkpoint.client import HostBuffer, KeeperLink
 from megascale.checkpoint.host_comm import HostGroups
 from megascale.checkpoint.reshard import Sources, TPSlice, copy_intervals, held_as, overlaps
-from megascale.checkpoint.save_plan import SHARDED, TENSOR, SavePlan
+from megascale.checkpoint.save_plan import SHARDED, TENSOR, SavePlan, check_header
 from megascale.checkpoint.shard_format import read_shard, tensor_places
 from megascale.checkpoint.stateful import ShardedFlat
 from megascale.checkpoint.storage import (
@@ -124,13 +124,21 @@ class SliceReader:
                         where = "host memory" if held == k else "storage"
                         self.restored_from[where] = self.restored_from.get(where, 0) + 1
                 if source != "self":  # after a layout change only what the group needs of it is sent
-                    keep = None if self.sources.same_cut else lambda image, k=k: assembly.needed_ranges(k, image)
+                    read, unusable = data, []
+                    keep = None if self.sources.same_cut else lambda image, k=k: self._needed(
+                        assembly, k, image, unusable)
                     data = self.comm.dp_broadcast(data, source, keep, self._buffer)
+                    if unusable:  # the source's own read, sent to no one
+                        error = unusable[0]
+                        if read is not image and read is not into:
+                            self._recycle(read)
                 if data is None:
                     return None, error or f"shard {keys[k]} failed on DP rank {source} (see its log)"
                 try:
                     if needed:
-                        assembly.add(k, step, *read_shard(data.fd))
+                        meta, tensors = read_shard(data.fd)
+                        check_header(meta, tensors)
+                        assembly.add(k, step, meta, tensors)
                 except CorruptShard as e:
                     return None, f"{keys[k]}: {e}"
                 finally:
@@ -142,6 +150,17 @@ class SliceReader:
                 self.spare = None
         uncovered = assembly.uncovered()
         return (None, uncovered) if uncovered else (assembly, None)
+
+    def _needed(self, assembly: Assembly, k: int, image: HostBuffer, unusable: list[str]
+                ) -> Optional[list[tuple[int, int]]]:
+        """The byte ranges of old shard `k` its DP group reads; None (the group gets no image, so
+        every member falls back together) if its header is malformed, and why in `unusable`."""
+        try:
+            return assembly.needed_ranges(k, image)
+        except CorruptShard as e:
+            unusable.append(f"{self.keys[k]}: {e}")
+            log.error("rank %d: %s", self.rank, unusable[0])
+            return None
 
     def _buffer(self, size: int) -> HostBuffer:
         """A host buffer for one shard image: the last one done with if it fits (fresh pages are slow)."""
@@ -253,6 +272,7 @@ class Assembly:
         same parameters, each a different ZeRO range of them): the header, the state outside
         ShardedFlats, and the pieces of the parameters the group takes from it."""
         meta, data, places = tensor_places(memoryview(image.bytes.numpy()))
+        check_header(meta, places)
         saved: dict = {}
         _walk(meta.get("parts"), lambda node: saved.update({node[SHARDED]["id"]: node[SHARDED]})
               if SHARDED in node else None)

@@ -7,13 +7,13 @@ the plan's order. Restore planning reads the same structure back.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
 from megascale.checkpoint.shard_format import Entry, header_json, header_room, lay_out, pad_header
 from megascale.checkpoint.stateful import ShardedFlat, Stateful
-from megascale.checkpoint.storage import CheckpointError
+from megascale.checkpoint.storage import CheckpointError, CorruptShard
 
 TENSOR, SHARDED = "$tensor", "$sharded"
 
@@ -42,6 +42,38 @@ def flatten(states: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, 
 
     tree = {name: walk(state, name) for name, state in states.items()}
     return tensors, sharded, tree
+
+
+def check_header(meta: Any, names: Collection[str]) -> None:
+    """CorruptShard unless `meta` (a shard header's metadata) holds the parts tree as `flatten` writes
+    it, each marker naming tensors among `names` (the shard's): a header whose checksum matches can
+    still be malformed (written by a bug, or by hand), and restore must fall back, not fail midway."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("parts"), dict):
+        raise CorruptShard("the shard header holds no parts")
+    stack = [meta["parts"]]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        if TENSOR in node and node[TENSOR] not in names:
+            raise CorruptShard(f"the shard header names tensor {node[TENSOR]!r} but holds none")
+        if SHARDED in node:
+            entry = node[SHARDED]
+            if not (isinstance(entry, dict) and isinstance(entry.get("id"), str)
+                    and isinstance(entry.get("tensors"), dict) and isinstance(entry.get("pieces"), list)
+                    and all(isinstance(v, str) and v in names for v in entry["tensors"].values())
+                    and all(_is_piece(p) for p in entry["pieces"])):
+                raise CorruptShard(f"malformed {SHARDED} entry in the shard header: {str(entry)[:80]}")
+        else:
+            stack.extend(node.values())
+
+
+def _is_piece(piece: Any) -> bool:
+    """[parameter name, start, length, offset], as ShardedFlat.pieces."""
+    return (isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str)
+            and all(isinstance(n, int) and n >= 0 for n in piece[1:]))
 
 
 def tensor_table(stages: list[dict]) -> dict:

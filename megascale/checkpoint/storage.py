@@ -8,17 +8,16 @@ No torch here: the keeper process imports this module and must start fast.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import pyarrow.fs as pafs
 
+from megascale.checkpoint.filesystems import UnknownFilesystem, open_filesystem
 from megascale.config import RUN_DIR
 
 # Version 2: shards hold the state dicts of named parts (version 1: a fixed set of ZeRO tensors).
@@ -63,9 +62,27 @@ class Storage:
     fs: pafs.FileSystem
     root: str
     uri: str
+    local: bool = False  # the root is on this machine's disks: what is written can be fsynced
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
+
+    def sync(self, path: str, directory: bool = False) -> None:
+        """Makes `path`'s contents (a directory: its entries) durable before anything depends on them.
+
+        pyarrow has no fsync, so this reaches local disks only. Elsewhere what holds is the store's own
+        guarantee: S3 and GCS acknowledge an upload (closing its stream) once it is stored redundantly,
+        and an object appears only whole; HDFS has a closed file on `replication` datanodes (in their
+        memory, not necessarily on disk) and its namenode journals the rename: a lost machine loses
+        nothing, a power loss of the whole cluster may lose the newest checkpoint, never the older ones
+        retention keeps until the newest is committed."""
+        if not self.local:
+            return
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     @property
     def object_store(self) -> bool:
@@ -73,38 +90,26 @@ class Storage:
         return self.fs.type_name in ("s3", "gcs")
 
 
-def load_factory(spec: str) -> Callable[[str], tuple[pafs.FileSystem, str]]:
-    """`module:function` or `/path/to/file.py:function`."""
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise CheckpointError(f"checkpoint.filesystem={spec!r}: expected module:function or file.py:function")
-    if target.endswith(".py"):
-        loaded = importlib.util.spec_from_file_location(f"megascale_fs_{abs(hash(target))}", target)
-        if loaded is None or loaded.loader is None:
-            raise CheckpointError(f"checkpoint.filesystem={spec!r}: cannot load {target}")
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    return getattr(module, name)
-
-
 def normalize_uri(uri: str) -> str:
     """Local paths become absolute, so every process names the same place the same way."""
     return uri if "://" in uri else os.path.abspath(uri)
 
 
-def open_storage(uri: str, factory: Optional[str] = None) -> Storage:
-    """`file://`, `hdfs://`, `s3://` URIs or local paths; `factory(uri) -> (FileSystem, path)` overrides."""
+def open_storage(uri: str, filesystem: Optional[str] = None, options: Optional[Mapping[str, str]] = None) -> Storage:
+    """`file://`, `hdfs://`, `s3://` URIs or local paths; `filesystem` (checkpoint.filesystem), a registered
+    file system by name with its `options` (filesystems.py), overrides the one the URI implies."""
     uri = normalize_uri(uri)
-    if factory:
-        fs, root = load_factory(factory)(uri)
+    if filesystem or options:
+        try:
+            fs, root = open_filesystem(filesystem, options or {}, uri)
+        except UnknownFilesystem as e:
+            raise CheckpointError(str(e)) from None
     else:
         try:
             fs, root = pafs.FileSystem.from_uri(uri)
         except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
             raise CheckpointError(f"checkpoint.uri={uri}: {e}") from None
-    return Storage(fs, root, uri)
+    return Storage(fs, root, uri, local=isinstance(fs, pafs.LocalFileSystem))
 
 
 # ---- shard I/O ----------------------------------------------------------------------------
@@ -122,12 +127,13 @@ def chunks_of(view: memoryview) -> Iterable[memoryview]:
 
 
 def write_file(storage: Storage, path: str, image: memoryview) -> int:
-    """Streams `image` to `path`; returns its crc32 (computed over the bytes as written)."""
+    """Streams `image` to `path` and makes it durable; returns its crc32 (over the bytes as written)."""
     crc = 0
     with storage.fs.open_output_stream(path) as out:
         for chunk in chunks_of(image):
             crc = zlib.crc32(chunk, crc)
             out.write(chunk)
+    storage.sync(path)
     return crc
 
 
@@ -158,8 +164,10 @@ def read_verified(storage: Storage, path: str, out: memoryview, crc: int) -> Non
 
 
 def write_manifest(storage: Storage, step: int, manifest: dict) -> None:
-    """The commit point: a checkpoint exists once its manifest does, never partially."""
-    path = storage.path(step_dir(step), MANIFEST)
+    """The commit point: a checkpoint exists once its manifest does, never partially. On return it is
+    durable (`Storage.sync`): only then may retention delete older checkpoints."""
+    directory = storage.path(step_dir(step))
+    path = f"{directory}/{MANIFEST}"
     data = json.dumps(manifest, indent=1).encode()
     if storage.object_store:
         target = path  # an upload becomes visible only when complete
@@ -167,8 +175,16 @@ def write_manifest(storage: Storage, step: int, manifest: dict) -> None:
         target = path + ".tmp"
     with storage.fs.open_output_stream(target) as out:
         out.write(data)
-    if target != path:
-        storage.fs.move(target, path)
+    if target == path:
+        return
+    # The shards' contents were synced as each was written; now the manifest's, the names in the step
+    # directory and the step directory's name in the root, so the rename never commits what a power
+    # loss could take back; then the rename itself.
+    storage.sync(target)
+    storage.sync(directory, directory=True)
+    storage.sync(storage.root, directory=True)
+    storage.fs.move(target, path)
+    storage.sync(directory, directory=True)
 
 
 def read_manifest(storage: Storage, step: int) -> dict:
@@ -234,8 +250,8 @@ def check_compatible(manifest: dict, model: dict, parts: Sequence[str] = ()) -> 
                               f"(it holds {', '.join(manifest['parts'])})")
 
 
-def check_checkpoint_uri(uri: Optional[str], resume: bool, factory: Optional[str] = None,
-                         model: Optional[dict] = None) -> None:
+def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[str] = None,
+                         options: Optional[Mapping[str, str]] = None, model: Optional[dict] = None) -> None:
     """Before a job starts (CheckpointError, one line, naming the fix): a fresh job's checkpoint.uri must
     not hold another run's checkpoints (its restarts would restore those), and a resumed job's newest
     checkpoint must be in a format this version reads and, given the job's `model` section, of that
@@ -244,7 +260,7 @@ def check_checkpoint_uri(uri: Optional[str], resume: bool, factory: Optional[str
     if not uri or RUN_DIR in uri:
         return
     try:
-        storage = open_storage(uri, factory)
+        storage = open_storage(uri, filesystem, options)
         steps = committed_steps(storage)
     except OSError as e:
         if resume:
@@ -271,7 +287,8 @@ def check_checkpoint_uri(uri: Optional[str], resume: bool, factory: Optional[str
 
 
 def apply_retention(storage: Storage, keep: int) -> list[int]:
-    """Keeps the newest `keep` committed checkpoints; drops older ones and abandoned partial ones."""
+    """Keeps the newest `keep` committed checkpoints; drops older ones and abandoned partial ones. Call
+    it only once the newest is durable (`write_manifest` returned), or keep=1 may leave none."""
     steps = list_steps(storage)
     committed = [s for s, done in steps.items() if done]
     if not committed:

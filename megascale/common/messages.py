@@ -15,6 +15,9 @@ command must not be lost (see `command_stream` / `ACKS`):
     megascale:{<job>}:acks        hash, field <node> = that node's latest Ack
     megascale:{<job>}:slow:<node> hash, field <rank> = a SlowRank fault (`megascale chaos slow-rank`)
 
+Kafka records are signed (`megascale.common.auth`: a last field "mac", HMAC-SHA256 under the
+job's key) when the sender has the job's secrets; the driver drops records that fail it.
+
 Every message has "v" (schema version) and "kind". Readers ignore fields they do not know
 (added later in a compatible way) and drop, with a log line, anything that is not JSON, has
 an unknown kind, a newer "v", or a missing or mistyped field: `decode` raises MessageError.
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
 
 from megascale.common import typed
+from megascale.common.auth import Signer
 
 SCHEMA_VERSION = 1
 
@@ -98,6 +102,9 @@ class Heartbeat:
     step_time: Optional[float] = None
     loss: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    val_step: Optional[int] = None  # the step of the newest validation (eval.every) and its results
+    val_loss: Optional[float] = None
+    val_ppl: Optional[float] = None
     restored_step: Optional[int] = None  # the step this incarnation's ranks started from (0: from scratch)
     waiting: Optional[str] = None  # what a local rank is blocked on outside a step, e.g. a checkpoint persisting
     waiting_since: Optional[float] = None  # sender's wall clock
@@ -119,6 +126,8 @@ class Metric:
     time: float
     grad_norm: Optional[float] = None
     lr: Optional[float] = None
+    val_loss: Optional[float] = None  # on a validation step (eval.every)
+    val_ppl: Optional[float] = None
     kind: Literal["metric"] = "metric"
 
 
@@ -210,8 +219,10 @@ def slow_ranks_key(job: str, node: str) -> str:
 
 # -- encoding -------------------------------------------------------------------------------
 
-def encode(msg: Message) -> bytes:
-    return json.dumps({"v": SCHEMA_VERSION, **dataclasses.asdict(msg)}, separators=(",", ":")).encode()
+def encode(msg: Message, signer: Optional[Signer] = None) -> bytes:
+    """The record's bytes; signed (a last field "mac") when given the job's signer."""
+    body = json.dumps({"v": SCHEMA_VERSION, **dataclasses.asdict(msg)}, separators=(",", ":")).encode()
+    return signer.sign(body) if signer else body
 
 
 def decode(raw: bytes | str, expect: Optional[type] = None) -> Message:

@@ -33,21 +33,22 @@ from megascale.parallel.topology import single_device_context
 EOT = "<|endoftext|>"
 
 
-def resolve_checkpoint(source: str) -> tuple[str, Optional[str]]:
-    """(checkpoint uri, checkpoint.filesystem) of a run directory (its config.yaml's checkpoint.uri),
-    or of a checkpoint uri given as is."""
+def resolve_checkpoint(source: str) -> tuple[str, Optional[str], dict[str, str]]:
+    """(checkpoint uri, checkpoint.filesystem, checkpoint.filesystem_options) of a run directory (its
+    config.yaml's checkpoint section), or of a checkpoint uri given as is."""
     run = Path(source).expanduser()
     if not (run / "config.yaml").is_file():
-        return source, None
+        return source, None, {}
     cfg = with_run_dir(load_config(run / "config.yaml"), run.resolve())
     if not cfg.checkpoint.uri:
         raise ConfigError(f"{run}/config.yaml: checkpoint.uri is not set (the run saved no checkpoints)")
-    return cfg.checkpoint.uri, cfg.checkpoint.filesystem
+    return cfg.checkpoint.uri, cfg.checkpoint.filesystem, cfg.checkpoint.filesystem_options
 
 
-def open_checkpoint(uri: str, step: Optional[int] = None, filesystem: Optional[str] = None):
+def open_checkpoint(uri: str, step: Optional[int] = None, filesystem: Optional[str] = None,
+                    options: Optional[dict[str, str]] = None):
     """(storage, manifest, the job config it was saved with) of committed `step`, default the newest."""
-    storage = open_storage(uri, filesystem)
+    storage = open_storage(uri, filesystem, options)
     steps = committed_steps(storage)
     if not steps:
         raise ConfigError(f"{uri}: holds no committed checkpoint")
@@ -155,8 +156,8 @@ def export_hf(source: str, out: str | Path, step: Optional[int] = None, max_shar
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty directory")
-    uri, filesystem = resolve_checkpoint(source)
-    storage, manifest, cfg = open_checkpoint(uri, step, filesystem)
+    uri, filesystem, options = resolve_checkpoint(source)
+    storage, manifest, cfg = open_checkpoint(uri, step, filesystem, options)
     m = cfg.model
     cls = hf_class(m)  # refuses a model no transformers class computes, before any work
     tok = run_tokenizer(cfg) if tokenizer else None

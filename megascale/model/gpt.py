@@ -10,7 +10,7 @@ the documents packed into a row), optional tied embeddings.
 
 It knows nothing of parallelism. `megascale.parallel.parallelize` shards it by
 swapping modules (TorchTitan style); the seams it relies on are only names:
-`attn.qkv`, `attn.proj`, `mlp.fc`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
+`attn.qkv`, `attn.core`, `attn.proj`, `mlp.fc`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
 a parallel block's `fan_out` / `merge`, and the `sections` of a `FusedLinear`. Built under
 `torch.device("meta")` it allocates nothing; each parameter's initial value depends only on the
 seed and its name (`init_value`), so a rank can create just the parameters, and slices, it owns.
@@ -51,12 +51,25 @@ class FusedLinear(nn.Linear):
         self.sections = sections
 
 
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V under the causal (sliding-window, document) mask; no parameters.
+    A module of its own so it can be recomputed in backward (`train.recompute: selective`)."""
+
+    def __init__(self, window: int | None):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: DocumentMask | None = None) -> torch.Tensor:
+        return attention(q, k, v, self.window, documents)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.hidden // cfg.heads
         self.heads, self.kv_heads = cfg.heads, cfg.num_kv_heads
-        self.window = cfg.window
+        self.core = CoreAttention(cfg.window)
         kv_width = self.kv_heads * self.head_dim
         self.qkv = FusedLinear(cfg.hidden, (cfg.hidden, kv_width, kv_width))
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
@@ -74,7 +87,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([width - 2 * kv_width, kv_width, kv_width], dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
-        y = attention(q, k, v, self.window, documents).transpose(1, 2).reshape(batch, seq, -1)
+        y = self.core(q, k, v, documents).transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_drop(self.proj(y))
 
 

@@ -1,5 +1,5 @@
 """Applies 3D parallelism to a single-device GPT (either arch): pipeline split, tensor (+sequence)
-parallel sharding, precision, then the ZeRO-2 optimizer over data parallel.
+parallel sharding, activation recomputation, precision, then the ZeRO optimizer over data parallel.
 
 The GPT may be built on the meta device: then a stage materialises only its own layers, and a
 TP-sharded weight exists in full only while its slice is cut (one weight at a time), so no rank
@@ -19,6 +19,7 @@ from megascale.config import JobConfig
 from megascale.model.gpt import GPT, FusedLinear, ParallelBlock
 from megascale.parallel.comm import EnterTP, ExitTP
 from megascale.parallel.pipeline import split_into_chunks
+from megascale.parallel.recompute import apply_recompute
 from megascale.parallel.tensor_parallel import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
     shard_in_features, shard_out_features,
@@ -162,10 +163,12 @@ def parallelize(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> tuple[list[
         for chunk in chunks:
             mark_sequence_parallel_norms(chunk)
     mark_tied_embeddings(chunks, ctx)
+    apply_recompute(chunks, cfg.train.recompute)
     dtype = compute_dtype(cfg, ctx.device)
     for chunk in chunks:
         chunk.to(device=ctx.device, dtype=dtype)
     optimizer = DistributedOptimizer(unique_named_parameters(chunks), ctx, cfg.optimizer,
-                                     bucket_mb=cfg.parallelism.grad_bucket_mb, overlap=cfg.parallelism.overlap.dp)
+                                     bucket_mb=cfg.parallelism.grad_bucket_mb, overlap=cfg.parallelism.overlap.dp,
+                                     zero=cfg.parallelism.zero)
     optimizer.attach(chunks)
     return chunks, optimizer

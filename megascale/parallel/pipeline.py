@@ -140,8 +140,10 @@ def run_schedule(
     dtype: torch.dtype,
     overlap: bool = True,
     document_ids: Optional[list[torch.Tensor]] = None,
+    forward_only: bool = False,
 ) -> torch.Tensor:
     """Runs forward and backward of every microbatch; returns sum_mb(weight_mb * loss_mb) on the last stage.
+    `forward_only` (validation) runs the same forward ops in the same order, under no_grad, and no backward.
 
     `loss_weights[mb]` scales each microbatch's mean loss so the gradients are those of
     the mean over every token of the global batch. `document_ids[mb]`, when given, reach every
@@ -153,6 +155,8 @@ def run_schedule(
     vpp, rank = layout.vpp, ctx.pp_rank
     last_virtual = pp * vpp - 1
     ops = schedule(pp, vpp, len(inputs), rank)
+    if forward_only:
+        ops = [op for op in ops if op.kind == "F"]
     loss_total = torch.zeros((), device=ctx.device)
 
     if pp == 1:
@@ -192,18 +196,19 @@ def run_schedule(
             if stage == 0:
                 x = inputs[op.microbatch]
             else:
-                x = acts_in.recv().requires_grad_()
+                x = acts_in.recv().requires_grad_(not forward_only)
                 post_next("F")
             is_last = stage == last_virtual
             documents = {} if document_ids is None else {"document_ids": document_ids[op.microbatch]}
-            with ctx.timer.span("forward"):
+            with ctx.timer.span("forward"), torch.set_grad_enabled(not forward_only):
                 out = chunks[op.chunk](x, labels[op.microbatch] if is_last else None, **documents)
             if is_last:
                 out = out * loss_weights[op.microbatch]
                 loss_total += out.detach()
             else:
                 acts_out.send(out)
-            saved[key] = (x if stage != 0 else None, out)
+            if not forward_only:
+                saved[key] = (x if stage != 0 else None, out)
         else:
             x, out = saved.pop(key)
             if stage == last_virtual:

@@ -1,18 +1,19 @@
-"""ZeRO-2 distributed optimizer over the data-parallel group.
+"""ZeRO distributed optimizer over the data-parallel group.
 
-Gradients accumulate (fp32) into one flat buffer cut into buckets; each bucket is
-reduce-scattered over DP so every rank holds 1/dp of it; each rank updates fp32
-master weights and optimizer state for its slice only; the updated slices are
-all-gathered back into the flat parameter buffer the model's parameters view.
+The parameters lie in one flat buffer cut into buckets; their gradients are reduce-scattered
+bucket by bucket over DP so every rank holds 1/dp of them (grad_buffers.py: with a full gradient
+buffer per rank, `zero: 1`, or without, `zero: 2`); each rank updates fp32 master weights and
+optimizer state for its slice only; the updated slices are all-gathered back into the flat
+parameter buffer the model's parameters view.
 
 With overlap on (MegaScale §3.2), a bucket's reduce-scatter starts during backward
-as soon as its last gradient has accumulated, and the next step's all-gathers are
+as soon as its gradients are in, and the next step's all-gathers are
 issued per bucket in the order forward uses them; forward waits only for the
 bucket it is about to read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -22,23 +23,15 @@ from megascale.checkpoint.stateful import ParamLayout, ShardedFlat, Split
 from megascale.config import OptimizerConfig
 from megascale.optim.update import Segments, adamw_step, lamb_step
 from megascale.parallel.comm import InFlight, all_reduce
+from megascale.parallel.grad_buffers import Bucket, FullGradients, ShardedGradients
 from megascale.parallel.topology import ParallelContext
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-@dataclass
-class Bucket:
-    start: int  # offset in the flat buffers
-    size: int  # padded to a multiple of dp
-    shard_start: int  # offset of this rank's slice in the flat master shard
-    params: list[int]  # indices into DistributedOptimizer.params
-    eager: bool  # may reduce-scatter during backward (no cross-stage sum needed first)
-
-
 class DistributedOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext,
-                 cfg: OptimizerConfig, bucket_mb: float = 4.0, overlap: bool = True):
+                 cfg: OptimizerConfig, bucket_mb: float = 4.0, overlap: bool = True, zero: Literal[1, 2] = 2):
         self.ctx, self.cfg, self.overlap = ctx, cfg, overlap
         self.step_count = 0
         dp = ctx.dp.size
@@ -66,7 +59,6 @@ class DistributedOptimizer:
                 members = []
         total, shard_total = offset, shard_offset
 
-        self.grad_buffer = torch.zeros(total, dtype=torch.float32, device=device)
         self.param_buffer = torch.zeros(total, dtype=param_dtype, device=device)
         owner = torch.full((total,), len(self.params), dtype=torch.long, device=device)
         for i, (p, off) in enumerate(zip(self.params, self.offsets)):
@@ -74,7 +66,6 @@ class DistributedOptimizer:
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)
             owner[off:off + p.numel()] = i
-            p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
 
         self.shard_ranges = [(b.start + ctx.dp.rank * b.size // dp, b.size // dp) for b in self.buckets]
         self.segment_ids = torch.cat([owner[s:s + n] for s, n in self.shard_ranges])
@@ -99,61 +90,20 @@ class DistributedOptimizer:
         self.sequence_parallel_elements = per_element(
             [getattr(p, "sequence_parallel", False) for p in self.params]).nonzero().flatten()
 
-        self.accumulations_per_step = 1
-        self._accumulated = [0] * len(self.params)
-        self._bucket_pending = [len(b.params) for b in self.buckets]
-        self._reductions: dict[int, InFlight] = {}
+        gradients = FullGradients if zero == 1 else ShardedGradients
+        self.gradients = gradients(self.params, self.offsets, self.buckets, self.bucket_of, self.grad_shard, ctx,
+                                   overlap)
         self._gathers: dict[int, tuple[InFlight, torch.Tensor]] = {}
 
     # ---- gradients -------------------------------------------------------------------
 
-    def _accumulate_hook(self, i: int):
-        off, numel = self.offsets[i], self.params[i].numel()
-        grad_view = self.grad_buffer[off:off + numel]
-
-        def hook(p: torch.Tensor) -> None:
-            grad_view.add_(p.grad.reshape(-1))
-            p.grad = None
-            self._accumulated[i] += 1
-            if self._accumulated[i] == self.accumulations_per_step:
-                b = self.bucket_of[i]
-                self._bucket_pending[b] -= 1
-                if self.overlap and self._bucket_pending[b] == 0 and self.buckets[b].eager:
-                    self._reduce_scatter(b)
-        return hook
-
     def begin_step(self, microbatches: int) -> None:
         """Each parameter's gradient will accumulate `microbatches` times before it is final."""
-        self.accumulations_per_step = microbatches
-        self._accumulated = [0] * len(self.params)
-        self._bucket_pending = [len(b.params) for b in self.buckets]
-
-    def _grad_view(self, i: int) -> torch.Tensor:
-        off = self.offsets[i]
-        return self.grad_buffer[off:off + self.params[i].numel()]
-
-    def _reduce_scatter(self, b: int) -> None:
-        bucket, (_, n) = self.buckets[b], self.shard_ranges[b]
-        out = self.grad_shard[bucket.shard_start:bucket.shard_start + n]
-        full = self.grad_buffer[bucket.start:bucket.start + bucket.size]
-        if self.ctx.dp.size == 1:
-            out.copy_(full)
-            return
-        work = dist.reduce_scatter_single(out, full, group=self.ctx.dp.pg, async_op=True)
-        self._reductions[b] = InFlight(work, self.ctx.dp, "reduce_scatter")
+        self.gradients.begin_step(microbatches)
 
     def finish_grad_sync(self) -> None:
         """Completes every gradient reduction of this step (after the last backward)."""
-        for b, bucket in enumerate(self.buckets):
-            if b in self._reductions or (self.overlap and bucket.eager and self.ctx.dp.size > 1):
-                continue
-            for i in bucket.params:
-                if getattr(self.params[i], "shared_embedding", False):
-                    all_reduce(self._grad_view(i), self.ctx.embedding)  # tied input/output embedding
-            self._reduce_scatter(b)
-        for work in self._reductions.values():
-            work.wait()
-        self._reductions.clear()
+        self.gradients.finish()
         if self.sequence_parallel_elements.numel():
             partial = self.grad_shard[self.sequence_parallel_elements]
             self.grad_shard[self.sequence_parallel_elements] = all_reduce(partial, self.ctx.tp)
@@ -226,7 +176,7 @@ class DistributedOptimizer:
                betas=tuple(self.cfg.betas), eps=self.cfg.eps, decay=self.decay, segments=self.segments,
                segment_decayed=self.segment_decayed, reduce_norms=self._reduce_parameter_norms)
         self._all_gather_params()
-        self.grad_buffer.zero_()
+        self.gradients.after_step()
         return norm
 
     # ---- checkpoint state --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Rendezvous on Redis, and the store traffic of creating the TP/DP/PP groups.
 
-Importing this package registers the `redis://host:port/<job>` init method with
-torch.distributed, so `init_process_group(init_method="redis://...")` works after it.
+Importing this package registers the `redis://host:port/<job>` init method (and `rediss://`, over
+TLS) with torch.distributed, so `init_process_group(init_method="redis://...")` works after it.
 """
 from megascale.rendezvous.embedded import EmbeddedRedis, start_embedded
 from megascale.rendezvous.groups import GroupSpec, group_specs, world_group_specs

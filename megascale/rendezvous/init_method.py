@@ -1,5 +1,11 @@
-"""The `redis://[[user]:password@]host[:port]/<job>[?incarnation=N]` init method for torch.distributed:
-a RedisStore from the URL, a join barrier of O(1) store calls per rank, and the handler registration."""
+"""The `redis://[[user]:password@]host[:port]/<job>[?incarnation=N]` init method for torch.distributed
+(`rediss://` for TLS): a RedisStore from the URL, a join barrier of O(1) store calls per rank, and the
+handler registration.
+
+Credentials come from the URL, else from the job's secrets ($MEGASCALE_SECRETS), so the URL that
+travels in commands and command lines need not carry a password. TLS options are redis-py's URL
+query names: `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`, `ssl_check_hostname`.
+"""
 from __future__ import annotations
 
 import importlib
@@ -7,28 +13,34 @@ import os
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
+from megascale.common.auth import redis_auth
 from megascale.rendezvous.redis_store import RedisStore, RendezvousError, RendezvousTimeout, _secs, _seconds
 
 INCARNATION_ENV = "MEGASCALE_INCARNATION"
+SSL_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 JOIN_KEY, COMPLETE_KEY = "rdzv/joined", "rdzv/complete"
 
 
 def store_from_url(url: str, timeout: timedelta = timedelta(seconds=300)) -> tuple[RedisStore, dict[str, str]]:
-    """A RedisStore for `redis://[[user]:password@]host[:port]/<job>[?incarnation=N]`, plus the query.
+    """A RedisStore for `redis[s]://[[user]:password@]host[:port]/<job>[?incarnation=N]`, plus the query.
 
     The incarnation comes from the query, else $MEGASCALE_INCARNATION, else 0.
     """
     parsed = urlparse(url)
     query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
     job = parsed.path.strip("/")
-    if parsed.scheme != "redis" or not job:
-        raise ValueError(f"bad rendezvous URL {url!r}: expected redis://host:port/<job>[?incarnation=N]")
+    if parsed.scheme not in ("redis", "rediss") or not job:
+        raise ValueError(f"bad rendezvous URL {parsed.scheme}://{parsed.hostname}:{parsed.port}{parsed.path}: "
+                         "expected redis[s]://host:port/<job>[?incarnation=N]")  # no password in the message
     incarnation = query.get("incarnation", os.environ.get(INCARNATION_ENV, "0"))
     connect = query.get("connect_timeout")
+    credentials = redis_auth(url) or {"username": parsed.username or None, "password": parsed.password}
+    tls = {k: v for k, v in query.items() if k in SSL_OPTIONS} if parsed.scheme == "rediss" else None
+    if tls and "ssl_check_hostname" in tls:
+        tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes")
     store = RedisStore(
-        parsed.hostname or "127.0.0.1", parsed.port or 6379, job, incarnation, timeout,
-        username=parsed.username or None, password=parsed.password,
-        connect_timeout=timedelta(seconds=float(connect)) if connect else None)
+        parsed.hostname or "127.0.0.1", parsed.port or 6379, job, incarnation, timeout, **credentials,
+        connect_timeout=timedelta(seconds=float(connect)) if connect else None, tls=tls)
     return store, query
 
 
@@ -67,8 +79,9 @@ def _redis_rendezvous_handler(url: str, timeout: timedelta = timedelta(seconds=3
 
 
 def register_handler() -> None:
-    """Make `init_process_group(init_method="redis://host:port/<job>")` work (idempotent)."""
+    """Make `init_process_group(init_method="redis[s]://host:port/<job>")` work (idempotent)."""
     # importlib: `torch.distributed.rendezvous` as an attribute is the function, not the module.
     rdzv = importlib.import_module("torch.distributed.rendezvous")
-    if "redis" not in rdzv._rendezvous_handlers:
-        rdzv.register_rendezvous_handler("redis", _redis_rendezvous_handler)
+    for scheme in ("redis", "rediss"):
+        if scheme not in rdzv._rendezvous_handlers:
+            rdzv.register_rendezvous_handler(scheme, _redis_rendezvous_handler)

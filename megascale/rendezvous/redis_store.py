@@ -153,11 +153,13 @@ class RedisStore(dist.Store):
         password: str | None = None,
         db: int = 0,
         connect_timeout: timedelta | None = None,
+        tls: dict | None = None,
     ) -> None:
         super().__init__()
         self.set_timeout(timeout)
         self.host, self.port, self.db = host, port, db
         self._username, self._password = username, password
+        self._tls = tls  # redis.SSLConnection's ssl_* options; None: plain TCP
         self.job, self.incarnation = job, str(incarnation)
         self._connect_timeout = connect_timeout
         self._ns = namespace(job, self.incarnation)
@@ -171,11 +173,12 @@ class RedisStore(dist.Store):
     # -- connections and errors --------------------------------------------------------------
 
     def _new_connection(self) -> redis.Connection:
-        conn = redis.Connection(
+        kind, tls = (redis.Connection, {}) if self._tls is None else (redis.SSLConnection, self._tls)
+        conn = kind(
             host=self.host, port=self.port, db=self.db, username=self._username, password=self._password,
             socket_timeout=None, socket_connect_timeout=5, socket_keepalive=True,
             # Retrying silently would hide a restarted server; every failure surfaces instead.
-            retry=Retry(NoBackoff(), 0), redis_connect_func=self._on_connect, **_NO_CLIENT_INFO)
+            retry=Retry(NoBackoff(), 0), redis_connect_func=self._on_connect, **_NO_CLIENT_INFO, **tls)
         self._conns.add(conn)
         return conn
 
@@ -350,7 +353,7 @@ class RedisStore(dist.Store):
 
     def clone(self) -> RedisStore:
         return RedisStore(self.host, self.port, self.job, self.incarnation, self.timeout, username=self._username,
-                          password=self._password, db=self.db, connect_timeout=self._connect_timeout)
+                          password=self._password, db=self.db, connect_timeout=self._connect_timeout, tls=self._tls)
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ def job(uri: str, parallelism: dict | None = None, steps: int = 4, **checkpoint)
         "checkpoint": {"uri": uri, "filesystem": fsutil.SPEC, "keeper_idle_s": 120, **checkpoint},
         "train": {"steps": steps},
     })
+
+
+@pytest.fixture(scope="session", autouse=True)
+def instrumented_plugin(tmp_path_factory):
+    """The instrumented file system, installed as a plugin here, in the keepers and in `megascale train`."""
+    directory = fsutil.register(tmp_path_factory.mktemp("plugins"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(directory))
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")])))
+        yield
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
 """Test file systems for `checkpoint.filesystem`: a local file system that logs every byte read,
-and can run out of space or write slowly. Options live beside the checkpoint root in
+and can run out of space or write slowly, installed as the plugin `instrumented` (`register`: an
+entry point as a cluster admin's package would add). Options live beside the checkpoint root in
 `<root>.fs.json` ({"full": true} or {"limit": bytes written}, {"delay_s": seconds per write};
-re-read on every write), the read log
-in `<root>.reads` ("path bytes" per closed input file), so the keeper process and the ranks,
-which load this file by path, share them."""
+re-read on every write), the read log in `<root>.reads` ("path bytes" per closed input file), so
+the keeper process and the ranks, each with its own copy of the plugin, share them."""
 from __future__ import annotations
 
 import errno
@@ -14,10 +14,23 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-SPEC = f"{__file__}:instrumented"
+SPEC = "instrumented"  # checkpoint.filesystem, once registered
+MODULE = "megascale_test_fsutil"
 
 
-def instrumented(uri: str) -> tuple[pafs.FileSystem, str]:
+def register(directory: Path) -> Path:
+    """Installs this file as the plugin SPEC under `directory` (a module and its dist-info, as pip would
+    lay them out); it is found where `directory` is on sys.path (PYTHONPATH for child processes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{MODULE}.py").write_text(Path(__file__).read_text())
+    info = directory / f"{MODULE}-0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {MODULE}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[megascale.filesystems]\n{SPEC} = {MODULE}:instrumented\n")
+    return directory
+
+
+def instrumented(uri: str, options: dict[str, str]) -> tuple[pafs.FileSystem, str]:
     root = uri.removeprefix("file://")
     return pafs.PyFileSystem(Handler(root)), root
 

@@ -45,6 +45,11 @@ def test_defaults_validate_and_round_trip():
     ({"data": {"source": "shards"}}, "data.path: required when data.source=shards"),
     ({"control": {"evict_stragglers": True, "auto_recover": False}}, "control.evict_stragglers: "
                                                                      "needs control.auto_recover"),
+    ({"eval": {"split": 1.0}}, "eval.split=1.0: must be in [0, 1)"),
+    ({"eval": {"split": 0.01}}, "eval.split: needs data.source text or shards"),
+    ({"data": {"source": "text", "path": "x"}, "eval": {"every": 5}}, "eval.every=5: needs held-out data"),
+    ({"data": {"source": "text", "path": "x"}, "eval": {"split": 0.1, "data": "y"}}, "eval.split: set either"),
+    ({"logging": {"peak_tflops": 0}}, "logging.peak_tflops=0.0: must be > 0"),
 ])
 def test_bad_config_names_the_field(sections, message):
     with pytest.raises(ConfigError) as err:

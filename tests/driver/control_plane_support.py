@@ -34,7 +34,7 @@ class Job:
     def __init__(self, name: str):
         self.name = name
         self.handle = JobHandle.load(name)
-        self.store = JobStore.from_url(self.handle.redis_url, name)
+        self.store = JobStore.from_url(self.handle.redis_url, name, secrets=self.handle.job_secrets())
 
     def refresh(self) -> JobHandle:
         self.handle = JobHandle.load(self.name)

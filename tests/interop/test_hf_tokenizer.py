@@ -72,8 +72,8 @@ def test_a_user_trains_llama_on_the_shipped_tokenizer_exports_and_loads_it_with_
 
     assert ids[0].tolist() == load_pretrained(SHIPPED / "tokenizer.json").encode_documents([TEXT])[0][:-1].tolist()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
-    uri, filesystem = resolve_checkpoint(str(run))
-    storage, manifest, cfg = open_checkpoint(uri, filesystem=filesystem)
+    uri, filesystem, options = resolve_checkpoint(str(run))
+    storage, manifest, cfg = open_checkpoint(uri, filesystem=filesystem, options=options)
     assert manifest["step"] == 3
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, restore_model(storage, manifest, cfg)(ids),

@@ -2,8 +2,8 @@
 watch protocol to the official `kubernetes` client (no real API server can run here).
 
 Like the real one:
-- pods, services, configmaps (namespaced); nodes and customresourcedefinitions (cluster); and the
-  custom resources of every CRD created through it, with their status subresource
+- pods, services, configmaps, secrets, networkpolicies (namespaced); nodes and customresourcedefinitions
+  (cluster); and the custom resources of every CRD created through it, with their status subresource
 - get, list (labelSelector a=b,c=d), create (409 AlreadyExists), update (PUT, resourceVersion
   checked), delete (404 NotFound with a Status body), merge and strategic-merge patches
 - resourceVersion on every change; metadata.generation on spec changes; PATCH on a resource
@@ -50,7 +50,9 @@ class Kind:
 
 
 BUILTIN = [Kind("", "v1", "pods", "Pod", True), Kind("", "v1", "services", "Service", True),
-           Kind("", "v1", "configmaps", "ConfigMap", True), Kind("", "v1", "nodes", "Node", False),
+           Kind("", "v1", "configmaps", "ConfigMap", True), Kind("", "v1", "secrets", "Secret", True),
+           Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True),
+           Kind("", "v1", "nodes", "Node", False),
            Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False)]
 
 

@@ -5,13 +5,15 @@ Scheduling honours what the operator relies on: cordoned (spec.unschedulable) an
 machines, nodeSelector, required node affinity (matchFields metadata.name In/NotIn, matchExpressions
 on labels In/NotIn) and room (`slots` megascale pods a machine). Running a pod: its command and
 args with `python` as this interpreter and volume mount paths mapped to per-pod directories (a
-ConfigMap volume gets its files), its env (fieldRef status.podIP = 127.0.0.1) over this process's.
+ConfigMap or Secret volume gets its files), its env (fieldRef status.podIP = 127.0.0.1; mount paths
+mapped too) over this process's.
 The pod's phase follows the process; a graceful delete sends SIGTERM, SIGKILL after the grace
 period, then removes the pod. `fail_machine` kills a machine's processes and marks it NotReady,
 leaving its pods Running in the API, as a machine that drops off the network looks.
 """
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -169,10 +171,13 @@ class FakeCluster:
                 continue
             path = home / mount["name"]
             path.mkdir(parents=True, exist_ok=True)
-            cm = volumes[mount["name"]].get("configMap")
+            cm, secret = volumes[mount["name"]].get("configMap"), volumes[mount["name"]].get("secret")
             if cm:
                 for file, text in (self.api.get("configmaps", cm["name"], ns) or {}).get("data", {}).items():
                     (path / file).write_text(text)
+            if secret:
+                for file, data in (self.api.get("secrets", secret["secretName"], ns) or {}).get("data", {}).items():
+                    (path / file).write_bytes(base64.b64decode(data))
             mounts[mount["mountPath"]] = str(path)
 
         def local(arg: str) -> str:
@@ -185,7 +190,7 @@ class FakeCluster:
         env = dict(os.environ)
         for e in container.get("env", []):
             if "value" in e:
-                env[e["name"]] = e["value"]
+                env[e["name"]] = local(e["value"])
             elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
                 env[e["name"]] = "127.0.0.1"
         with open(home / "container.log", "ab") as out:

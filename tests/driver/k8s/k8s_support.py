@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.30.0"  # manifests are validated against this Kubernetes release's schemas
 NS = "megascale"
-OPERATOR_USER = "system:serviceaccount:megascale:megascale-operator"
+OPERATOR_USER = "system:serviceaccount:megascale-system:megascale-operator"
+SYSTEM_NS = "megascale-system"  # the operator's own namespace (deploy/namespace.yaml)
 
 
 def load_yaml(path: Path) -> list[dict]:

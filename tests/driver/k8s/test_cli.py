@@ -89,3 +89,9 @@ def test_errors_are_one_line(cluster, capsys, tmp_path):
     (tmp_path / "down.kubeconfig").write_text(unreachable)
     assert megascale("kube", "status", "--kubeconfig", str(tmp_path / "down.kubeconfig")) == 2
     assert capsys.readouterr().err.startswith("megascale kube status: cannot reach the Kubernetes API server")
+
+
+def test_operator_settings_that_make_no_sense_are_one_line(capsys):
+    assert megascale("kube", "operator", "--node-pool", "megascale.io/pool") == 2
+    assert capsys.readouterr().err == "megascale kube operator: --node-pool: expected KEY=VALUE labels, got " \
+                                      "megascale.io/pool\n"

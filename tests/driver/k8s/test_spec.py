@@ -93,7 +93,7 @@ def test_executor_pod():
     assert container["command"] == ["python"] and container["args"][:2] == ["-m", "megascale.executor"]
     assert " ".join(container["args"][2:]) == (f"--job {NS}.gpt-nodes --node n3 --redis redis://r:1 --kafka k:2 "
                                                f"--work-dir {spec.WORK_DIR} --heartbeat-s 5")
-    assert container["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 2}
+    assert container["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "2"}
     assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in container["env"]
     assert body["tolerations"] == cr["spec"]["tolerations"] and body["automountServiceAccountToken"] is False
     terms = body["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]

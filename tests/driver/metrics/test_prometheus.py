@@ -14,7 +14,7 @@ from megascale.driver.metrics.stragglers import StragglerMonitor, detect, slowne
 
 GRAFANA = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "megascale-dashboard.json"
 STATUS = {"job": "demo", "state": "running", "step": 14, "total_steps": 100, "loss": 3.2, "tokens_per_s": 1.5e4,
-          "restarts": 2, "ettr": 0.93, "mttr_s": 41.0}
+          "restarts": 2, "ettr": 0.93, "mttr_s": 41.0, "val_step": 10, "val_loss": 3.4, "val_ppl": 29.96}
 
 
 def parse(text: str) -> dict[str, list[tuple[dict, float]]]:
@@ -38,6 +38,8 @@ def test_exposition_of_a_real_run(real_run, facts):
     assert types["megascale_job_restarts"] == "counter" and types["megascale_job_step"] == "gauge"
     assert families["megascale_job_info"] == [({"job": "demo", "state": "running"}, 1.0)]
     assert families["megascale_job_restarts_total"][0][1] == 2 and families["megascale_job_ettr_ratio"][0][1] == 0.93
+    assert [families[f"megascale_job_val_{name}"] for name in ("loss", "perplexity", "step")] == [
+        [({"job": "demo"}, 3.4)], [({"job": "demo"}, 29.96)], [({"job": "demo"}, 10.0)]]
     segments = families["megascale_rank_segment_seconds"]
     assert {tuple(sorted(labels)) for labels, _ in segments} == {("job", "node", "rank", "segment")}
     assert len(segments) == 4 * 10

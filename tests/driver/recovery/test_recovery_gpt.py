@@ -22,7 +22,9 @@ thread counts per rank).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,19 @@ from megascale.driver.state import JobState, Phase
 from control_plane_support import cli, launch
 
 STEPS = 96  # room for the steps a frozen node's ranks train on before it is declared dead
-SLOW_FS = f"{Path(__file__).parents[2] / 'checkpoint' / 'fsutil.py'}:instrumented"
+SLOW_FS = "instrumented"  # tests/checkpoint/fsutil.py, installed as a file system plugin by `slow_fs`
+
+
+@pytest.fixture(autouse=True)
+def slow_fs(tmp_path, monkeypatch):
+    """The instrumented file system as the plugin SLOW_FS, here and in every process of the job."""
+    spec = importlib.util.spec_from_file_location("megascale_test_fsutil", Path(__file__).parents[2] / "checkpoint"
+                                                  / "fsutil.py")
+    fsutil = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fsutil)
+    directory = fsutil.register(tmp_path / "plugins")
+    monkeypatch.syspath_prepend(str(directory))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")])))
 
 
 def gpt_job(tmp_path: Path, name: str, cluster: bool) -> str:

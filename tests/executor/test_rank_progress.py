@@ -1,0 +1,19 @@
+"""A rank's progress lines: the newest validation stays in the heartbeat's step statistics until the next."""
+from __future__ import annotations
+
+import json
+
+from megascale.executor.ranks import RankGroup, RankProcess
+
+
+def test_the_newest_validation_is_carried_to_later_steps_and_published_once(tmp_path):
+    progress = tmp_path / "rank0.progress.jsonl"
+    validation = {"val_loss": 2.5, "val_ppl": 12.2}
+    lines = [{"step": s, "loss": 3.0 - s / 10, "time": float(s), **(validation if s == 2 else {})} for s in (1, 2, 3)]
+    progress.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    group = RankGroup.__new__(RankGroup)  # the progress reader alone: no rank processes
+    group.steps, group.procs = [], [RankProcess(0, 0, None, tmp_path / "rank0.log", progress)]
+    group._read_progress(group.procs[0])
+    newest = group.newest()
+    assert (newest["step"], newest["val_step"], newest["val_loss"], newest["val_ppl"]) == (3, 2, 2.5, 12.2)
+    assert [s.get("val_loss") for s in group.steps] == [None, 2.5, None]  # a Metric per step: val on its own step
