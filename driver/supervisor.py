@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import redis
 
-from megascale.common.auth import SECRETS_ENV, JobSecrets, redacted, split_login
+from megascale.common.auth import SECRETS_ENV, JobSecrets, redacted, restoring_secrets_env, split_login
 from megascale.config import ConfigError, JobConfig, from_dict, load_config, new_run_dir, with_run_dir
 from megascale.preflight import absolute_data_path
 
@@ -50,6 +50,10 @@ class Supervisor:
         self._driver_starts: list[float] = []
 
     def run(self, on_status: Optional[Callable[[dict], None]] = None) -> int:
+        with restoring_secrets_env():
+            return self._run(on_status)
+
+    def _run(self, on_status: Optional[Callable[[dict], None]]) -> int:
         existing = JobHandle.load(self.job)
         if existing and existing.live():
             raise SupervisorError(f"job {self.job!r} is already running (pid {existing.supervisor_pid}): "
@@ -65,7 +69,7 @@ class Supervisor:
         os.environ[SECRETS_ENV] = str(JobHandle.secrets_path(self.job))
         try:
             redis_url = split_login(self.cfg.services.redis)[0] if self.cfg.services.redis else None
-            services = start_services(redis_url, self.cfg.services.kafka, self.secrets)
+            services = start_services(redis_url, self.cfg.services.kafka, self.secrets, redis_dir=run_dir / "redis")
         except RuntimeError as e:
             raise SupervisorError(str(e)) from None
         handle: Optional[JobHandle] = None
@@ -113,7 +117,13 @@ class Supervisor:
                    on_status: Optional[Callable[[dict], None]]) -> int:
         stop_requested_at: Optional[float] = None
         while True:
-            rec = store.load()
+            self._restart_dead_services(services, handle)
+            try:
+                rec = store.load()
+            except redis.ConnectionError as e:  # a restarted Redis still loading its log, or a brief outage
+                log.warning("cannot read the job's record (%s): retrying", _line(e))
+                time.sleep(POLL_S)
+                continue
             if rec is None:
                 raise SupervisorError(f"job {self.job!r} vanished from Redis at {redacted(services.redis_url)}")
             if on_status:
@@ -124,19 +134,31 @@ class Supervisor:
             if self._signals > 1 or (stop_requested_at and time.monotonic() - stop_requested_at > STOP_WAIT_S):
                 log.warning("not waiting for an orderly stop any longer")
                 return 130
-            if services.broker and not services.broker.alive():
-                log.warning("embedded Kafka exited (code %s): restarting it on port %d",
-                            services.broker.proc.returncode, services.broker.port)
-                services.broker.start()
-                handle.kafka_pid = services.broker.proc.pid
-                handle.save()
-            if services.redis and services.redis.proc.poll() is not None:
-                raise SupervisorError("embedded Redis died: the job's state is lost; its nodes exit on their own")
             if self.driver is None or self.driver.poll() is not None:
                 if rec.terminal and rec.cleaned:
                     return 130 if self._signals else EXIT_CODES[rec.state]
                 self._start_driver(services, handle, rec.run_dir)
             time.sleep(POLL_S)
+
+    @staticmethod
+    def _restart_dead_services(services: Services, handle: JobHandle) -> None:
+        """Embedded services come back on their ports, so every client finds them where it left them:
+        the broker empty (clients re-create its topics), Redis with its appended log read back."""
+        if services.broker and not services.broker.alive():
+            log.warning("embedded Kafka exited (code %s): restarting it on port %d",
+                        services.broker.proc.returncode, services.broker.port)
+            services.broker.start()
+            handle.kafka_pid = services.broker.proc.pid
+            handle.save()
+        if services.redis and not services.redis.alive():
+            log.warning("embedded Redis exited (code %s): restarting it on port %d from its log in %s",
+                        services.redis.proc.returncode, services.redis.port, services.redis.data_dir)
+            try:
+                services.redis.start()
+            except RuntimeError as e:  # the port taken meanwhile, or a log it cannot read
+                raise SupervisorError(f"embedded Redis died and could not be restarted: {e}") from None
+            handle.redis_pid = services.redis.pid
+            handle.save()
 
     def _start_driver(self, services: Services, handle: JobHandle, run_dir: str) -> None:
         if self.driver is not None:
@@ -185,8 +207,14 @@ def finish_for_supervisor(job: str) -> None:
     handle = JobHandle.load(job)
     if handle is None or handle.final is not None:
         return
-    if handle.secrets:  # so that the nodes' process records are checked against the job's key
-        os.environ.setdefault(SECRETS_ENV, handle.secrets)
+    with restoring_secrets_env():
+        if handle.secrets:  # so that the nodes' process records are checked against the job's key
+            os.environ.setdefault(SECRETS_ENV, handle.secrets)
+        _finish(handle)
+
+
+def _finish(handle: JobHandle) -> None:
+    job = handle.job
     store = JobStore.from_url(handle.redis_url, job, timeout_s=3, secrets=handle.job_secrets())
     final = _final_status(store)
     try:

@@ -15,8 +15,6 @@ import math
 import os
 import secrets
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -38,6 +36,7 @@ from megascale.common.messages import (
     command_stream,
     decode,
     encode,
+    selfchecks_key,
     topic,
 )
 
@@ -46,6 +45,7 @@ from .host import host_metrics, identity
 from megascale.common.rankspec import RankSpec
 from megascale.rank import comm_env
 from .ranks import RankGroup
+from .selfcheck import SelfCheck, Worker, spawn
 from .throttle import SlowRanks
 
 POLL_S = 0.25
@@ -66,6 +66,8 @@ class Executor:
         self.group: Optional[RankGroup] = None
         self.slow = SlowRanks(self.redis, job, node)  # `megascale chaos slow-rank` faults on this node's ranks
         self.run_dir: Optional[Path] = None  # the job's, where ranks write their flight recorders
+        self.background: Optional[tuple[int, SelfCheck]] = None  # a self-check beside the ranks, by command seq
+        self.worker: Optional[Worker] = None  # a diagnostics worker loading for the next self-check
         self.phase = "idle"
         self.seq = 0
         self.acked = 0
@@ -96,6 +98,7 @@ class Executor:
                 wait_s = max(0.0, min(POLL_S, self._next_heartbeat - time.monotonic(), self._stale_in()))
                 for cmd in self._read_commands(wait_s):
                     self._execute(cmd)
+                self._report_background()
                 changed = self.group.poll() if self.group else False
                 self.slow.apply(self.group)
                 self._publish_metrics()
@@ -109,6 +112,10 @@ class Executor:
                     code = 1
                     break
         finally:
+            if self.background:
+                self.background[1].kill()
+            if self.worker:
+                self.worker.close()
             self.slow.stop()
             if self.group and self.group.alive():
                 self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
@@ -163,7 +170,7 @@ class Executor:
 
     def _execute(self, cmd: Command) -> None:
         log.info("command %d: %s %s", cmd.seq, cmd.op, _brief(cmd.args))
-        handler = {"start": self._start, "stop": self._stop_ranks, "diagnose": self._diagnose,
+        handler = {"start": self._start, "stop": self._stop_ranks, "diagnose": lambda a: self._diagnose(cmd.seq, a),
                    "flight": self._flight, "exit": self._exit}.get(cmd.op)
         try:
             ok, detail = handler(cmd.args) if handler else (False, f"unknown op {cmd.op!r}")
@@ -210,45 +217,51 @@ class Executor:
         return True, f"started ranks {args['ranks']} of incarnation {incarnation}"
 
     def _stop_ranks(self, args: dict) -> tuple[bool, str]:
+        if args.get("selfcheck") and (self.worker is None or self.worker.proc.poll() is not None):
+            self.worker = spawn(self.work_dir)  # loads while the ranks stop: the check that follows starts at once
         self.slow.stop()
         if self.group and self.group.alive():
             self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         self.phase = "idle"
         return True, "ranks stopped"
 
-    def _diagnose(self, args: dict) -> tuple[bool, str]:
-        """Self-check of this node through `megascale diagnose`; the ranks must be stopped first."""
+    def _diagnose(self, seq: int, args: dict) -> tuple[bool, str]:
+        """Self-check of this node (executor/selfcheck.py). `background`: beside its ranks, acknowledged at once,
+        the result under `selfchecks_key` when it ends; else the ranks must be stopped and the ack is the result."""
+        if self.background:  # the driver asks again: the newer request is the one it waits for
+            self.background[1].kill()
+            self.background = None
+        if args.get("background"):
+            self.background = (seq, SelfCheck(self.node, self.work_dir, args, self._take_worker()))
+            return True, "self-check running beside the ranks"
         if self.group and self.group.alive():
             return False, "ranks still running: stop them before diagnosing"
         self.phase = "diagnosing"
         self._heartbeat()
-        budget = float(args.get("budget_s", 60))
-        argv = [sys.executable, "-m", "megascale.cli", "diagnose", "--nodes", self.node, "--json",
-                "--budget-s", str(budget)]
-        if args.get("checks"):
-            argv += ["--checks", ",".join(args["checks"])]
-        if args.get("ranks_per_node"):
-            argv += ["--ranks-per-node", str(args["ranks_per_node"])]
-        # Injected faults (chaos tests) reach the suite only where this node allows them.
-        if os.environ.get("MEGASCALE_DIAG_ALLOW_FAULTS") == "1":
-            for key, value in (args.get("inject") or {}).items():
-                argv += ["--inject", f"{self.node}:{key}={value}"]
-        out_path = self.work_dir / "diagnose.json"
-        with open(out_path, "w") as out, open(self.work_dir / "diagnose.log", "a") as err:
-            proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-            deadline = time.monotonic() + budget + 30
-            while proc.poll() is None and time.monotonic() < deadline:
-                self._heartbeat_if_due()  # a long self-check must not look like a dead node
-                time.sleep(0.1)
+        check = SelfCheck(self.node, self.work_dir, args, self._take_worker())
+        while (result := check.result()) is None:
+            self._heartbeat_if_due()  # a long self-check must not look like a dead node
+            time.sleep(0.05)
         self.phase = "idle"
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-            return False, f"diagnostics did not finish within {budget + 30:.0f} s"
-        if proc.returncode not in (0, 1):  # 1 = a check failed; anything else = it could not run
-            lines = (self.work_dir / "diagnose.log").read_text(errors="replace").strip().splitlines()
-            return False, lines[-1] if lines else f"diagnostics exited with code {proc.returncode}"
-        return proc.returncode == 0, out_path.read_text().strip()
+        return result
+
+    def _take_worker(self) -> Optional[Worker]:
+        worker, self.worker = self.worker, None
+        return worker
+
+    def _report_background(self) -> None:
+        """A finished background self-check's result, for the driver; kept for the next pass while Redis is down."""
+        if self.background is None or (result := self.background[1].result()) is None:
+            return
+        seq, (ok, detail) = self.background[0], result
+        ack = Ack(job=self.job, node=self.node, seq=seq, op="diagnose", ok=ok, detail=detail)
+        try:
+            self.redis.hset(selfchecks_key(self.job), self.node, encode(ack))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._redis_failed(e)
+            return
+        log.info("background self-check (command %d) %s", seq, "passed" if ok else "failed")
+        self.background = None
 
     def _flight(self, args: dict) -> tuple[bool, str]:
         """This node's ranks' flight recorders (readable while a rank hangs), newest `last` records each."""

@@ -164,7 +164,7 @@ class ControlConfig:
     command_timeout_s: float = 60.0  # for an executor to acknowledge a command
     auto_recover: bool = True  # diagnose, evict and replace failed nodes by itself; False = a dead node pauses the job
     hang_after_s: float = 120.0  # heartbeats arrive but the step has not advanced this long: a hang (0 = off)
-    selfcheck: bool = True  # run the self-check suite on suspects and their group peers before restarting
+    selfcheck: bool = True  # self-check the nodes a fault points at (driver/recovery/selfcheck.py)
     selfcheck_checks: str = "gemm"  # comma-separated `megascale diagnose --checks`
     selfcheck_budget_s: float = 30.0  # per node
     crashed_selfcheck: Literal["evict", "retry"] = "evict"  # a crashed rank's node failing its check: evict,

@@ -41,9 +41,14 @@ def no_process_left(monkeypatch):
     deadline = time.monotonic() + 15
     while (left := tagged(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    names = []
     for proc in left:
-        proc.kill()  # ours by tag: clean up so one failure does not poison the next test
-    assert not left, f"processes left behind: {[' '.join(p.cmdline()[:4]) for p in left]}"
+        try:
+            names.append(" ".join(proc.cmdline()[:4]))
+            proc.kill()  # ours by tag: clean up so one failure does not poison the next test
+        except psutil.Error:  # it ended (or became a zombie) meanwhile
+            continue
+    assert not names, f"processes left behind: {names}"
 
 
 @pytest.fixture(autouse=True)

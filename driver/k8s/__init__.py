@@ -5,12 +5,16 @@ whose nodes are pods. The driver's logic is the same as with local processes (`d
     spec.py       TrainingJob spec -> JobConfig, the pods / Service / ConfigMap around a job, and what a
                   pod spec may ask for (check_pod_spec)
     credentials.py  per job: a Redis ACL user, a Secret with its secrets file, a NetworkPolicy
-    kube.py       the official client as used here: raw JSON objects, list+watch informers
+    kube.py       the official client as used here: raw JSON objects, list+watch informers, Events
+    api_retry.py  which API errors are retried (429, 5xx, timeouts: every call) and which are refusals
+    ownership.py  what is a job's: objects whose controller ownerReference carries its UID
+    failures.py   why a pod ended, from its own evidence: preempted, evicted, OOMKilled, never started, crashed
     backend.py    Backend over pods: start / stop / list / evict (anti-affinity to evicted machines)
     jobdriver.py  `python -m megascale.driver.k8s.jobdriver`: one job's driver with that backend
     operator.py   watches TrainingJobs, runs a driver per job, evicts failed nodes, cordons machines
                   that failed a self-check, writes status
     health.py     which nodes the operator evicts, from pods and Kubernetes nodes; which machines it cordons
+    evictions.py  the operator's eviction step: failures reported as Events, disruptions turned into evictions
     status.py     the TrainingJob status: phase, progress, ETTR, conditions
     cli.py        `megascale kube {apply-crd,operator,pause,resume,status}`
 """

@@ -1,10 +1,15 @@
 """Nodes as pods: the Backend the driver uses on Kubernetes (`driver/local.py` is the other one).
 
-A node is one executor pod, `<job>-<node>`, owned by its TrainingJob, so deleting the job deletes
-its pods. Evicting a node records the machine (Kubernetes node) it ran on in the job's Redis; every
-pod created afterwards carries a required node anti-affinity to all the job's evicted machines
-(`spec.pod`), which holds even after someone uncordons one. Whether the machine is cordoned for
-everyone is the operator's call (operator.py: only after a failed self-check, within a budget).
+A node is one executor pod, `<job>-<node>`, owned by its TrainingJob (by UID: ownership.py), so deleting
+the job deletes its pods. Evicting a node records the machine (Kubernetes node) it ran on in the job's
+Redis when the pod's evidence blames it (failures.py: not for a preemption, a drain, an OOM kill or a pod
+that never started); every pod created afterwards carries a required node anti-affinity to all the job's
+evicted machines (`spec.pod`), which holds even after someone uncordons one. Whether the machine is
+cordoned for everyone is the operator's call (operator.py: only after a failed self-check, within a budget).
+
+No API error ends the driver: transient ones are retried by the client (api_retry.py); a pod that still
+could not be created, or was refused (403 by a quota or Pod Security, 422), is recorded for the operator's
+FailedCreatePod condition, reported as an Event on the TrainingJob, and tried again every RESEND_S.
 """
 from __future__ import annotations
 
@@ -16,8 +21,12 @@ import redis
 
 from .. import log
 from ..backend import Backend, NodeInfo, NodeLaunch
-from . import spec
+from . import api_retry, spec
+from .failures import classify, never_started
 from .kube import Kube
+from .ownership import NotOwned, owned_by
+
+RESEND_S = 10.0  # a pod that could not be created is tried again this often (quota freed, old pod gone)
 
 
 class K8sState:
@@ -29,6 +38,7 @@ class K8sState:
         prefix = f"megascale:{{{job}}}:k8s:"
         self.r, self.job, self.k_uid, self.k_hosts = client, job, prefix + "uid", prefix + "evicted-hosts"
         self.k_node_hosts, self.k_cordoned = prefix + "evicted-node-hosts", prefix + "cordoned"
+        self.k_excused, self.k_refused = prefix + "excused", prefix + "refused-pods"
 
     def uid(self) -> Optional[str]:
         raw = self.r.get(self.k_uid)
@@ -52,6 +62,24 @@ class K8sState:
         """The machine an evicted node ran on."""
         raw = self.r.hget(self.k_node_hosts, node)
         return raw.decode() if raw else None
+
+    def excuse(self, node: str, why: str) -> None:
+        """The operator found the node's end was not its machine's doing (a preemption, say): evicting it
+        later does not record the machine, even once its pod is gone."""
+        self.r.hset(self.k_excused, node, why)
+
+    def excused(self, node: str) -> bool:
+        return bool(self.r.hexists(self.k_excused, node))
+
+    def refused(self) -> dict[str, str]:
+        """Node -> why its pod could not be created (the API's message), until it is."""
+        return {k.decode(): v.decode() for k, v in self.r.hgetall(self.k_refused).items()}
+
+    def set_refused(self, node: str, why: Optional[str]) -> None:
+        if why is None:
+            self.r.hdel(self.k_refused, node)
+        else:
+            self.r.hset(self.k_refused, node, why)
 
     def cordoned(self) -> dict[str, float]:
         """Machine -> when it was cordoned for this job (epoch seconds)."""
@@ -78,53 +106,126 @@ class KubernetesBackend(Backend):
                  policy: spec.PodPolicy):
         self.kube, self.namespace, self.name, self.launch, self.policy = kube, namespace, name, launch, policy
         self.state = K8sState(client, launch.job)
+        self.uid = self.state.uid() or ""  # the operator records it before it starts this driver
+        self.unsent: dict[str, float] = {}  # node -> when to try creating its pod again
+        self._listed: dict[str, dict] = {}  # the last listing, for when the API server cannot be reached
 
     def start(self, nodes: list[str]) -> None:
-        cr = self.kube.get_job(self.namespace, self.name)  # read each time: the pod template follows the spec
-        if cr is None:
+        try:
+            cr = self.kube.get_job(self.namespace, self.name)  # read each time: the pod template follows the spec
+        except api_retry.API_ERRORS as e:
+            self._unsent(nodes, f"cannot read TrainingJob {self.namespace}/{self.name}: {api_retry.message(e)}")
+            return
+        if cr is None or (self.uid and cr["metadata"]["uid"] != self.uid):
             log.warning("TrainingJob %s/%s is gone: not starting %s", self.namespace, self.name, ", ".join(nodes))
             return
+        self.uid = self.uid or cr["metadata"]["uid"]
         try:  # again here: the spec may have changed since the operator adopted the job
             spec.check_pod_spec(cr["spec"], self.policy, lambda secret: self.kube.secret_labels(self.namespace, secret))
         except spec.SpecError as e:
             log.error("not starting %s: %s", ", ".join(nodes), e)
             return
+        except api_retry.API_ERRORS as e:
+            self._unsent(nodes, f"cannot check the pod spec: {api_retry.message(e)}")
+            return
         avoid = self.state.evicted_hosts()
         for node in nodes:
-            created = self.kube.create_pod(self.namespace, spec.pod(cr, node, self.launch, avoid))
-            log.info("started node %s (pod %s)%s", node, spec.pod_name(self.name, node),
-                     "" if created else ": it existed already")
+            self._create(cr, node, avoid)
+
+    def _create(self, cr: dict, node: str, avoid: list[str]) -> None:
+        name = spec.pod_name(self.name, node)
+        try:
+            created = self.kube.create_pod(self.namespace, spec.pod(cr, node, self.launch, avoid, self.policy))
+        except NotOwned as e:
+            self._unsent([node], str(e))
+            return
+        except api_retry.API_ERRORS as e:
+            why = f"pod {name}: {api_retry.message(e)}"
+            self._unsent([node], why)
+            if api_retry.refused(e) and self.state.refused().get(node) != why:
+                self.state.set_refused(node, why)
+                self.kube.create_event(cr, "Warning", "FailedCreatePod", why)
+            return
+        self.unsent.pop(node, None)
+        self.state.set_refused(node, None)
+        log.info("started node %s (pod %s)%s", node, name, "" if created else ": it existed already")
+
+    def _unsent(self, nodes: list[str], why: str) -> None:
+        log.warning("could not start %s (trying again in %.0f s): %s", ", ".join(nodes), RESEND_S, why)
+        for node in nodes:
+            self.unsent[node] = time.monotonic() + RESEND_S
+
+    def _resend(self) -> None:
+        """Pods that could not be created, tried again when due (from `list`, which the driver calls often)."""
+        due = [n for n, t in self.unsent.items() if time.monotonic() >= t]
+        if due:
+            for node in due:
+                del self.unsent[node]
+            self.start(due)
 
     def _pods(self) -> dict[str, dict]:
+        """The job's pods by node: those whose controller is this TrainingJob (by UID), not a predecessor's."""
         pods = self.kube.list_pods(self.namespace, f"{spec.JOB_LABEL}={self.name}")
-        return {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in pods
-                if spec.NODE_LABEL in p["metadata"].get("labels", {})}
+        self._listed = {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in pods
+                        if spec.NODE_LABEL in p["metadata"].get("labels", {})
+                        and (not self.uid or owned_by(p, self.uid))}
+        return self._listed
 
     def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
         for node in nodes:
-            self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s)
-        # Waits for the kubelet to confirm, but not forever: a pod on a dead machine never is.
-        deadline = time.monotonic() + grace_s + 5
-        while nodes and time.monotonic() < deadline and set(nodes) & set(self._pods()):
-            time.sleep(0.5)
+            self.unsent.pop(node, None)
+        try:
+            pods = self._pods()
+            for node in nodes:
+                if node in pods:
+                    self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s,
+                                         uid=pods[node]["metadata"]["uid"])
+            # Waits for the kubelet to confirm, but not forever: a pod on a dead machine never is.
+            deadline = time.monotonic() + grace_s + 5
+            while nodes and time.monotonic() < deadline and set(nodes) & set(self._pods()):
+                time.sleep(0.5)
+        except api_retry.API_ERRORS as e:  # the pods are the job's: they go with it at the latest
+            log.warning("could not stop %s: %s", ", ".join(nodes), api_retry.message(e))
 
     def list(self) -> dict[str, NodeInfo]:
+        self._resend()
+        try:
+            pods = self._pods()
+        except api_retry.API_ERRORS as e:  # the last listing: the driver's heartbeats still catch dead nodes
+            log.warning("cannot list the job's pods (%s); using the last listing", api_retry.message(e))
+            pods = self._listed
         out = {}
-        for node, pod in self._pods().items():
+        for node, pod in pods.items():
             phase = (pod.get("status") or {}).get("phase", "Pending")
             alive = phase in ("Pending", "Running") and not pod["metadata"].get("deletionTimestamp")
             out[node] = NodeInfo(node, alive, pod["spec"].get("nodeName", ""), f"pod {pod['metadata']['name']}")
         return out
 
     def evict(self, node: str) -> None:
-        pod = self._pods().get(node)
+        self.unsent.pop(node, None)
+        try:
+            pod = self._pods().get(node)
+        except api_retry.API_ERRORS as e:
+            log.warning("cannot read node %s's pod (%s): evicting it by name", node, api_retry.message(e))
+            pod = self._listed.get(node)
         host = (pod or {}).get("spec", {}).get("nodeName")
-        if host:
+        if host and self._blames(node, pod):
             self.state.add_evicted_node(node, host)  # first: whatever happens next, later pods avoid the machine
             log.info("evicted node %s: this job's pods avoid %s from now on", node, host)
         # Grace 0 (a forced delete): the pod may sit on a machine that will never confirm its end.
         # A partitioned executor that lives on cannot rejoin: its node id is never used again.
-        self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s=0)
+        try:
+            self.kube.delete_pod(self.namespace, spec.pod_name(self.name, node), grace_s=0,
+                                 uid=(pod or {}).get("metadata", {}).get("uid"))
+        except api_retry.API_ERRORS as e:  # its pod goes with the job at the latest; the node id is never reused
+            log.warning("could not delete node %s's pod: %s", node, api_retry.message(e))
+
+    def _blames(self, node: str, pod: dict) -> bool:
+        """Whether the node's end may be its machine's fault, from the pod itself and the operator's verdict."""
+        if self.state.excused(node) or never_started(pod):
+            return False
+        found = classify(pod)
+        return found is None or found.blame  # a running pod evicted (silent, straggling): the machine is suspect
 
     def log_files(self, node: str) -> list[Path]:
         return []  # `kubectl logs <job>-<node>`: the executor's log is the pod's

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 # The Kubernetes client is imported by the commands, not here: every `megascale` command builds this parser.
 
 
+CLI_RETRIES = 1  # a command at a terminal says the API server is unreachable at once (the operator retries more)
+
+
 class KubeCommandError(Exception):
     """One line for the user."""
 
@@ -63,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     default=[a for a in os.environ.get("MEGASCALE_SERVICE_ACCOUNTS", "").split(",") if a],
                     help="a service account jobs may name in spec.serviceAccountName (repeatable; "
                          "$MEGASCALE_SERVICE_ACCOUNTS, comma-separated); default: none")
+    op.add_argument("--priority-class", default=os.environ.get("MEGASCALE_PRIORITY_CLASS"),
+                    help="the executor pods' PriorityClass when a job's spec.priorityClassName is unset "
+                         "($MEGASCALE_PRIORITY_CLASS; create one above the cluster's batch work)")
     op.add_argument("--node-pool", action="append", metavar="KEY=VALUE",
                     default=[a for a in os.environ.get("MEGASCALE_NODE_POOL", "").split(",") if a],
                     help="a label every machine the operator may cordon carries (repeatable; $MEGASCALE_NODE_POOL, "
@@ -109,7 +115,7 @@ def _kube(args: argparse.Namespace) -> tuple[Kube, str]:
     from .kube import Kube, connect, current_namespace
 
     namespace = args.namespace or current_namespace(args.kubeconfig, args.context)
-    return Kube(connect(args.kubeconfig, args.context)), namespace
+    return Kube(connect(args.kubeconfig, args.context, retries=CLI_RETRIES)), namespace
 
 
 def _get(kube: Kube, namespace: str, name: str) -> dict:
@@ -152,7 +158,7 @@ def _operator(args: argparse.Namespace) -> int:
                         tick_s=args.tick_s, status_every_s=args.status_every_s,
                         checkpoint_every_s=args.checkpoint_every_s, missing_grace_s=args.missing_grace_s,
                         driver_log=args.driver_log_dir, **({"run_dir": args.run_dir} if args.run_dir else {}),
-                        pod_policy=PodPolicy(frozenset(args.service_account)), node_pool=pool)
+                        pod_policy=PodPolicy(frozenset(args.service_account), args.priority_class), node_pool=pool)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: operator.stop())
     operator.run()

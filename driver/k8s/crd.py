@@ -18,7 +18,18 @@ from megascale.checkpoint.filesystems import NAME as FILESYSTEM_NAME
 from megascale.common import typed
 from megascale.config import JobConfig
 
-from .spec import ALLOW_JOBS_LABEL, DEVICE_RESOURCE, GROUP, KIND, PLURAL, POLICY, SHM_SIZE, SPEC_OWNED, VERSION
+from .spec import (
+    ALLOW_JOBS_LABEL,
+    DEVICE_RESOURCE,
+    GROUP,
+    KIND,
+    NOT_READY_GRACE_S,
+    PLURAL,
+    POLICY,
+    SHM_SIZE,
+    SPEC_OWNED,
+    VERSION,
+)
 
 NAME = f"{PLURAL}.{GROUP}"
 MAX_NAME = 50  # leaves room for "-config" and "-n123" within the 63 characters of names and labels
@@ -157,6 +168,10 @@ def spec_schema() -> dict:
                     "description": "size limit of each pod's /dev/shm (memory, counted against the pod's limit)"},
         "cordonBudget": _int(0, 1000, "machines the operator may cordon for this job per hour, each only after "
                                       "it failed a self-check", default=1),
+        "priorityClassName": _str("the executor pods' PriorityClass; default: the operator's (--priority-class)",
+                                  maxLength=253),
+        "nodeNotReadyGraceSeconds": _int(0, 3600, "a machine NotReady this long fails the job's nodes on it",
+                                         default=NOT_READY_GRACE_S),
     }, required=("image", "nodes", "devicesPerNode", "parallelism", "config"), **{"x-kubernetes-validations": [
         {"rule": "self.nodes * self.devicesPerNode == self.parallelism.tp * self.parallelism.pp * self.parallelism.dp",
          "message": "spec.nodes * spec.devicesPerNode must equal spec.parallelism.tp * pp * dp (the world size)"},

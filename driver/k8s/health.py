@@ -2,8 +2,9 @@
 and which machines it cordons.
 
 The driver judges nodes by their heartbeats; Kubernetes often knows sooner, and why: a pod that
-ended, a pod deleted behind the job's back, a machine whose kubelet stopped reporting (NotReady).
-The operator turns these into the same eviction request `megascale evict` makes, and the driver
+ended (failures.py says why, from the pod's own evidence), a pod deleted behind the job's back, a
+machine whose kubelet stopped reporting (NotReady, past spec.nodeNotReadyGraceSeconds). The operator
+turns those the cluster caused into the same eviction request `megascale evict` makes, and the driver
 does the rest (a spare takes the node's ranks, a new spare is started, all ranks restart together).
 
 Many failures at once are not a node fault: when more nodes fail together than the job has spares
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..state import JobRecord
+from .failures import Failure, classify
 
 CORDON_WINDOW_S = 3600.0  # spec.cordonBudget counts the machines a job had cordoned within this window
 SELFCHECK_FAILED = "self-check failed"  # how driver/recovery/selfcheck.py words a failed self-check in recovery.bad
@@ -40,42 +42,49 @@ def ready(machine: dict) -> bool:
     return True
 
 
+def track_not_ready(machines: dict[str, dict], since: dict[str, float], now: float) -> None:
+    """Keeps `since` (machine -> when this operator first saw it NotReady) up to date. The operator's own
+    clock, not the condition's lastTransitionTime: machines' and the operator's clocks may disagree."""
+    for name, machine in machines.items():
+        if ready(machine):
+            since.pop(name, None)
+        else:
+            since.setdefault(name, now)
+    for name in [m for m in since if m not in machines]:
+        del since[name]
+
+
 def failed_nodes(rec: JobRecord, pods: dict[str, dict], machines: dict[str, dict],
-                 missing_s: Callable[[str], float], grace_s: float) -> dict[str, str]:
-    """Nodes in service whose pod ended, went, or sits on a NotReady machine; `missing_s(node)` says
-    how long its pod has been missing (it may not have been created yet)."""
-    failed = {}
+                 missing_s: Callable[[str], float], grace_s: float,
+                 not_ready_s: Callable[[str], float] = lambda host: 0.0,
+                 not_ready_grace_s: float = 0.0) -> dict[str, Failure]:
+    """Nodes in service whose pod ended, went, never started, or sits on a machine NotReady for longer
+    than `not_ready_grace_s` (a kubelet that misses a few status updates is no failed machine);
+    `missing_s(node)` says how long its pod has been missing (it may not have been created yet)."""
+    failed: dict[str, Failure] = {}
     for slot in rec.nodes:
         if slot.role == "evicted" or not slot.started:
             continue
         pod = pods.get(slot.node)
         if pod is None:
             if missing_s(slot.node) > grace_s:
-                failed[slot.node] = f"its pod is gone (missing for {missing_s(slot.node):.0f} s)"
+                failed[slot.node] = Failure("PodMissing", f"its pod is gone (missing for {missing_s(slot.node):.0f} s)",
+                                            blame=False, replace=True)
             continue
-        name, status = pod["metadata"]["name"], pod.get("status") or {}
+        found = classify(pod)
         host = (pod.get("spec") or {}).get("nodeName")
-        if status.get("phase") in ("Failed", "Succeeded"):
-            failed[slot.node] = f"pod {name} {status['phase'].lower()}{_termination(status)}"
-        elif pod["metadata"].get("deletionTimestamp"):
-            failed[slot.node] = f"pod {name} is being deleted"
-        elif host and host in machines and not ready(machines[host]):
-            failed[slot.node] = f"node {host} of pod {name} is NotReady"
+        if found is not None:
+            failed[slot.node] = found
+        elif host and host in machines and not ready(machines[host]) and not_ready_s(host) > not_ready_grace_s:
+            failed[slot.node] = Failure("NodeNotReady", f"node {host} of pod {pod['metadata']['name']} is NotReady "
+                                                        f"(for {not_ready_s(host):.0f} s)", blame=True, replace=True)
     return failed
 
 
-def _termination(status: dict) -> str:
-    for cs in status.get("containerStatuses") or []:
-        ended = (cs.get("state") or {}).get("terminated")
-        if ended:
-            why = ended.get("reason") or ""
-            return f" (exit code {ended.get('exitCode')}{', ' + why if why else ''})"
-    return f" ({status['reason']})" if status.get("reason") else ""
-
-
-def silent_nodes(rec: JobRecord) -> dict[str, str]:
+def silent_nodes(rec: JobRecord) -> dict[str, Failure]:
     """Active nodes the driver declared dead (it pauses the job and asks for an eviction)."""
-    return {s.node: f"no heartbeat ({s.dead})" for s in rec.slots("active") if s.dead}
+    return {s.node: Failure("NoHeartbeat", f"no heartbeat ({s.dead})", blame=True, replace=True)
+            for s in rec.slots("active") if s.dead}
 
 
 def judge(failed: dict[str, str], requested: set[str], spares: int, evicted_hosts: int, nodes: int) -> Verdict:

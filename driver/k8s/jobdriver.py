@@ -29,7 +29,8 @@ from .spec import PodPolicy, job_id
 
 
 def spawn(namespace: str, name: str, redis_url: str, kafka: str, *, kubeconfig: Optional[str],
-          service_accounts: Iterable[str], secrets_file: Optional[Path], log_file: Optional[Path]) -> subprocess.Popen:
+          service_accounts: Iterable[str], secrets_file: Optional[Path], log_file: Optional[Path],
+          priority_class: Optional[str] = None) -> subprocess.Popen:
     """Starts one job's driver as the operator's child (`main` below parses this command line); the job's
     secrets file reaches it by path in the environment, never in its arguments."""
     argv = [sys.executable, "-m", "megascale.driver.k8s.jobdriver", "--namespace", namespace, "--name", name,
@@ -38,6 +39,8 @@ def spawn(namespace: str, name: str, redis_url: str, kafka: str, *, kubeconfig: 
         argv += ["--kubeconfig", kubeconfig]
     for account in sorted(service_accounts):
         argv += ["--service-account", account]
+    if priority_class:
+        argv += ["--priority-class", priority_class]
     env = {**os.environ, SECRETS_ENV: str(secrets_file)} if secrets_file else None
     out = open(log_file, "ab") if log_file else None
     try:
@@ -56,6 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kafka", required=True)
     p.add_argument("--kubeconfig", help="default: in-cluster service account, else $KUBECONFIG")
     p.add_argument("--service-account", action="append", default=[], help="one spec.serviceAccountName allowed")
+    p.add_argument("--priority-class", help="the pods' priorityClassName when the spec names none")
     args = p.parse_args(argv)
     die_with_parent(os.getppid(), signal.SIGTERM)  # an orderly stop when the operator goes, however it goes
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -74,7 +78,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     launch = NodeLaunch(job=store.job, redis_url=args.redis, kafka=args.kafka, run_dir=rec.run_dir,
                         heartbeat_s=cfg.control.heartbeat_s)
     backend = KubernetesBackend(Kube(connect(args.kubeconfig)), args.namespace, args.name, launch, store.r,
-                                PodPolicy(frozenset(args.service_account)))
+                                PodPolicy(frozenset(args.service_account), args.priority_class))
     return Driver(store, args.redis, args.kafka, backend=backend).run()
 
 

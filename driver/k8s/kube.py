@@ -1,19 +1,24 @@
 """The Kubernetes API as megascale uses it, through the official client: raw JSON objects (the same
-dicts the manifests are written as), 404 as None, 409 on create as "already there", and an
-informer (list, then watch from the list's resourceVersion) for the operator's caches.
+dicts the manifests are written as), 404 as None, 409 on create as "already there" once the object is
+read back and found to be the same owner's (ownership.py), transient errors retried (api_retry.py),
+Events, and an informer (list, then watch from the list's resourceVersion) for the operator's caches.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
+import uuid
 from typing import Callable, Optional
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from .. import log
+from . import api_retry
+from .ownership import Leftover, NotOwned, controller_uid
 from .spec import GROUP, JOB_LABEL, MANAGED_BY, PLURAL, VERSION, SpecError
 
 MERGE = "application/merge-patch+json"
@@ -22,14 +27,16 @@ REQUEST_TIMEOUT_S = 15
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
-def connect(kubeconfig: Optional[str] = None, context: Optional[str] = None) -> client.ApiClient:
+def connect(kubeconfig: Optional[str] = None, context: Optional[str] = None,
+            retries: Optional[int] = None) -> client.ApiClient:
     """Inside a pod, its service account (unless a kubeconfig is named); elsewhere the kubeconfig
-    ($KUBECONFIG or ~/.kube/config), as kubectl does."""
+    ($KUBECONFIG or ~/.kube/config), as kubectl does. `retries`: of a failed call (api_retry.policy)."""
     configuration = client.Configuration()
     if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=configuration)
     else:
         config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
+    configuration.retries = api_retry.policy(retries)  # 429, 5xx, timeouts: retried with backoff for every call
     return client.ApiClient(configuration)
 
 
@@ -102,30 +109,52 @@ class Kube:
     # -- pods, Services, ConfigMaps ------------------------------------------------------------------
 
     def create_pod(self, namespace: str, body: dict) -> bool:
-        """False when a pod of that name exists already (a restarted driver creating it again)."""
-        return self._create(self.core.create_namespaced_pod, namespace, body)
+        """False when the pod exists already with the same controller (a restarted driver creating it again,
+        or a retried create whose first answer was lost); NotOwned when it is another owner's (a deleted job's
+        pod of the same name, still terminating)."""
+        for _ in range(2):  # a pod deleted between the 409 and the read: create it again, once
+            if self._create(self.core.create_namespaced_pod, namespace, body):
+                return True
+            existing = self.read_pod(namespace, body["metadata"]["name"])
+            if existing is None:
+                continue
+            mine, theirs = controller_uid(body), controller_uid(existing)
+            if theirs != mine:
+                raise NotOwned(f"pod {namespace}/{body['metadata']['name']} exists with owner UID {theirs}, not "
+                               f"{mine} (a deleted job's, still terminating?)")
+            return False
+        return False
 
-    def list_pods(self, namespace: str, selector: str) -> list[dict]:
-        found = self._data(self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False,
-                                                         _request_timeout=REQUEST_TIMEOUT_S))
+    def list_pods(self, namespace: str, selector: str, field_selector: Optional[str] = None) -> list[dict]:
+        found = self._data(self.core.list_namespaced_pod(namespace, label_selector=selector,
+                                                         **({"field_selector": field_selector} if field_selector
+                                                            else {}),
+                                                         _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S))
         return found.get("items", [])
 
-    def delete_pod(self, namespace: str, name: str, grace_s: Optional[float] = None) -> bool:
-        """False when it was gone already."""
+    def read_pod(self, namespace: str, name: str) -> Optional[dict]:
+        """The pod as stored now, not as a watch cache has it (a list without resourceVersion is a quorum
+        read; by name through a field selector, so `list` is the only right it takes)."""
+        found = self.list_pods(namespace, "", field_selector=f"metadata.name={name}")
+        return found[0] if found else None
+
+    def delete_pod(self, namespace: str, name: str, grace_s: Optional[float] = None, uid: Optional[str] = None) -> bool:
+        """False when it was gone already, or (`uid` given) is another pod of that name now."""
         try:
             grace = None if grace_s is None else int(grace_s)
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace, _preload_content=False,
-                                            _request_timeout=REQUEST_TIMEOUT_S)
+            body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)) if uid else None
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace, body=body,
+                                            _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
             return True
         except ApiException as e:
-            if e.status == 404:
+            if e.status == 404 or (e.status == 409 and uid):
                 return False
             raise
 
     def apply_owned(self, kind: str, namespace: str, body: dict) -> None:
-        """Creates a job's Service, ConfigMap, Secret or NetworkPolicy; one already there is merge-patched if it
-        is that job's (left by a deleted job of the same name, before garbage collection: the patch moves it to the
-        new owner), and refused if it is anybody else's (SpecError)."""
+        """Creates a job's Service, ConfigMap, Secret or NetworkPolicy; one already there is merge-patched if its
+        controller is this job (by UID), left for the garbage collector if it was a deleted job's of the same name
+        (Leftover: try again later), and refused if it is anybody else's (SpecError)."""
         create, read, patch = {
             "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service,
                         self.core.patch_namespaced_service),
@@ -147,6 +176,9 @@ class Kube:
         if any(labels.get(k) != ours[k] for k in (JOB_LABEL, *MANAGED_BY)):
             raise SpecError(f"metadata.name: a {kind} {namespace}/{name} exists that the megascale operator did not "
                             f"make for this job; rename the TrainingJob or that {kind}")
+        if controller_uid(existing) != controller_uid(body):
+            raise Leftover(f"{kind} {namespace}/{name} still belongs to a deleted TrainingJob of the same name "
+                           f"(UID {controller_uid(existing)}); waiting for the garbage collector")
         patch(name, namespace, {k: v for k, v in body.items() if k not in ("apiVersion", "kind")},
               _content_type=MERGE, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S)
 
@@ -169,6 +201,25 @@ class Kube:
             if e.status == 409:
                 return False
             raise
+
+    def create_event(self, involved: dict, kind: str, reason: str, message: str) -> None:
+        """A core/v1 Event on `involved` (a TrainingJob), as `kubectl describe` and `get events` show them.
+        Best effort: an Event that cannot be written is logged, never fatal."""
+        meta = involved["metadata"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        body = {"apiVersion": "v1", "kind": "Event", "type": kind, "reason": reason, "message": message[:1024],
+                "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": involved.get("apiVersion", f"{GROUP}/{VERSION}"),
+                                   "kind": involved.get("kind", "TrainingJob"), "name": meta["name"],
+                                   "namespace": meta["namespace"], "uid": meta.get("uid")},
+                "source": {"component": "megascale-operator"}, "reportingComponent": "megascale.io/operator",
+                "reportingInstance": socket.gethostname(), "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False,
+                                              _request_timeout=REQUEST_TIMEOUT_S)
+        except api_retry.API_ERRORS as e:
+            log.warning("could not record the Event %s on %s/%s: %s", reason, meta["namespace"], meta["name"],
+                        api_retry.message(e))
 
     # -- nodes ---------------------------------------------------------------------------------
 

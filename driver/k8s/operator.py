@@ -9,11 +9,13 @@ and the job's Redis:
      record was lost is re-seeded from its status
   2. spec.paused -> the desired state in Redis: what `megascale pause` / `resume` write locally
   3. keep its driver (`jobdriver.py`, a child process) running until the job has ended
-  4. evict nodes whose pods or machines failed (health.py); resume a job the driver paused; cordon
-     the machines of nodes evicted for a failed self-check (within spec.cordonBudget and the node pool)
+  4. evict nodes whose pods or machines failed, judged by the pod's own evidence (evictions.py); resume a
+     job the driver paused; cordon the machines of nodes evicted for a failed self-check (within
+     spec.cordonBudget and the node pool)
   5. write the status (status.py)
 
-Nothing lives only in this process: a restarted operator resumes from the statuses and Redis.
+Nothing lives only in this process: a restarted operator resumes from the statuses and Redis. A job's
+pods are those whose controller ownerReference carries its UID (ownership.py), never merely its name.
 """
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ from megascale.config import JobConfig, from_dict
 from .. import log
 from megascale.common.processes import stop_process, stop_processes
 from ..state import JobRecord, JobState, JobStore
-from . import credentials, health, jobdriver
+from . import credentials, evictions, health, jobdriver
 from . import status as job_status
 from .backend import K8sState
 from .kube import Informer, Kube, reason
+from .ownership import Leftover, owned_by
 from .spec import (
     GROUP,
     JOB_LABEL,
@@ -88,6 +91,7 @@ class Runtime:
     retire_by: float = 0.0
     expiring: bool = False  # the finished job's Redis keys have a TTL
     secrets_file: Optional[Path] = None  # the job's secrets (megascale.common.auth), for its driver
+    reported: dict[str, str] = field(default_factory=dict)  # node -> the failure last reported as an Event
 
     @property
     def job(self) -> str:
@@ -109,6 +113,7 @@ class Operator:
         self.node_pool = node_pool or {}  # labels a machine must carry for the operator to cordon it
         self.keys_dir: Optional[Path] = None  # 0700, made on first use: the drivers' secrets files
         self.runtimes: dict[tuple[str, str], Runtime] = {}
+        self.not_ready_since: dict[str, float] = {}  # machine -> when first seen NotReady (monotonic)
         self.retiring: list[tuple[Runtime, bool]] = []  # (job, deleted)
         self.stopping = threading.Event()
         self._wake = threading.Event()
@@ -167,6 +172,7 @@ class Operator:
             if JOB_LABEL in labels and NODE_LABEL in labels:
                 pods[(meta["namespace"], labels[JOB_LABEL])][labels[NODE_LABEL]] = pod
         machines = {m["metadata"]["name"]: m for m in self.machines.snapshot()}
+        health.track_not_ready(machines, self.not_ready_since, time.monotonic())
         for key in [k for k in self.runtimes if k not in jobs]:
             self._retire(self.runtimes.pop(key))
         self._retire_step()
@@ -184,6 +190,7 @@ class Operator:
         if rt is not None and rt.uid != meta["uid"]:  # deleted and re-created between two passes
             self._retire(self.runtimes.pop(key))
             rt = None
+        pods = {node: pod for node, pod in pods.items() if owned_by(pod, meta["uid"])}  # not a predecessor's
         if rt is None:
             if (cr.get("status") or {}).get("phase") in job_status.TERMINAL_PHASES:
                 return  # ended before this operator started: nothing to run
@@ -202,7 +209,7 @@ class Operator:
             return
         self._apply_paused(rt, spec, rec)
         self._keep_driver(rt, rec)
-        self._evict(rt, spec, rec, pods, machines, requested)
+        evictions.evict_failed(self, rt, cr, rec, pods, machines, requested)
         self._cordon(rt, spec, rec, machines)
         self._write_status(rt, cr, rec, pods)
 
@@ -230,6 +237,9 @@ class Operator:
             secrets_file = self._credentials(cr, store)
         except (SpecError, CheckpointError) as e:
             self._invalid(cr, str(e))
+            return None
+        except Leftover as e:  # the garbage collector takes it soon; adopted on a later pass
+            self._say((namespace, name), f"{namespace}/{name}: {e}")
             return None
         paused = previous.get("paused")
         if resuming:
@@ -271,7 +281,8 @@ class Operator:
         commands and acknowledgements went with the record."""
         meta, previous = cr["metadata"], cr["status"]
         for pod in self.kube.list_pods(meta["namespace"], f"{JOB_LABEL}={meta['name']}"):
-            self.kube.delete_pod(meta["namespace"], pod["metadata"]["name"])
+            if owned_by(pod, meta["uid"]):  # a predecessor's go with it, by the garbage collector
+                self.kube.delete_pod(meta["namespace"], pod["metadata"]["name"], uid=pod["metadata"]["uid"])
         state.wipe()
         state.set_uid(meta["uid"])
         state.add_evicted_hosts(*previous.get("evictedNodes", []))
@@ -329,6 +340,7 @@ class Operator:
         # Without a log directory the driver writes to the operator's stderr: `kubectl logs` shows both.
         rt.proc = jobdriver.spawn(rt.namespace, rt.name, rt.redis_url, rt.kafka, kubeconfig=self.kubeconfig,
                                   service_accounts=self.pod_policy.service_accounts, secrets_file=rt.secrets_file,
+                                  priority_class=self.pod_policy.priority_class,
                                   log_file=self.driver_log / f"{rt.job}.log" if self.driver_log else None)
         log.info("job %s: driver started (pid %d)", rt.job, rt.proc.pid)
 
@@ -337,33 +349,7 @@ class Operator:
         # SIGTERM: each driver releases its lease, so the next operator's driver takes over at once
         stop_processes([rt.proc for rt in runtimes if rt.proc], grace_s=10)
 
-    # -- 4. evictions ---------------------------------------------------------------------------------
-
-    def _evict(self, rt: Runtime, spec: dict, rec: JobRecord, pods: dict[str, dict], machines: dict[str, dict],
-               requested: set[str]) -> None:
-        if rec.terminal:
-            return
-        now = time.monotonic()
-        for node in [n for n in rt.missing_since if n in pods]:
-            del rt.missing_since[node]
-        failed = health.failed_nodes(rec, pods, machines, lambda n: now - rt.missing_since.setdefault(n, now),
-                                     self.missing_grace_s)
-        # The driver pauses a job whose node went silent and asks for `evict` + `resume`: do just that.
-        driver_paused = (rec.state == JobState.PAUSED and not spec.get("paused") and rt.paused is False
-                         and rt.store.desired() == "paused")
-        if driver_paused:
-            failed = {**health.silent_nodes(rec), **failed}
-        verdict = health.judge(failed, requested, spec.get("spares", 0), len(rt.state.evicted_hosts()), spec["nodes"])
-        if verdict.held != rt.held:
-            if verdict.held:
-                log.warning("job %s: %s", rt.job, verdict.held)
-            rt.held = verdict.held
-        for node, why in verdict.evict.items():
-            log.info("job %s: evicting node %s: %s", rt.job, node, why)
-            rt.store.request_evict(node)
-        if driver_paused and not verdict.held:
-            log.info("job %s: resuming it after the driver paused it (%s)", rt.job, rec.reason)
-            rt.store.set_desired("running")
+    # -- 4. evictions (evictions.py) and cordons -------------------------------------------------
 
     def _cordon(self, rt: Runtime, spec: dict, rec: JobRecord, machines: dict[str, dict]) -> None:
         """Cordons what `health.cordons` allows: machines that failed a self-check, in the pool, within budget."""
@@ -393,11 +379,13 @@ class Operator:
         held = {"type": "EvictionHeld", "status": str(bool(rt.held)),
                 "reason": "JobWideFailure" if rt.held else "NotHeld", "message": rt.held}
         valid = {"type": "Valid", "status": "True", "reason": "Submitted", "message": ""}
+        refused = job_status.pods_refused(rt.state.refused(), rec)
         new = job_status.build(
             rt.status, rec, rt.store.status(), generation=meta.get("generation"), paused=bool(rt.paused),
             evicted_hosts=rt.state.evicted_hosts(),
             hosts={n: (p.get("spec") or {}).get("nodeName", "") for n, p in pods.items()},
-            checkpoint=self._checkpoint(rt, rec), extra_conditions=[valid, held], name=rt.name, now=time.time())
+            checkpoint=self._checkpoint(rt, rec), extra_conditions=[valid, held, refused], name=rt.name,
+            now=time.time())
         due = not rec.terminal and time.monotonic() - rt.written >= self.status_every_s
         if job_status.changed(rt.status, new) or due:
             self.kube.patch_job_status(rt.namespace, rt.name, new)

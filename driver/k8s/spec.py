@@ -38,6 +38,9 @@ RUN_DIR = "/var/lib/megascale/run"
 CONFIG_DIR = "/etc/megascale"  # the resolved job config, for whoever reads a pod
 DEVICE_RESOURCE = "nvidia.com/gpu"
 SHM_SIZE = "8Gi"  # /dev/shm (memory, counted against the pod's limit) unless spec.shmSize says otherwise
+# A machine NotReady this long fails its nodes (spec.nodeNotReadyGraceSeconds): a kubelet that misses a few
+# status updates, or restarts, is no failed machine.
+NOT_READY_GRACE_S = 60
 
 # The job's own secrets file (megascale.common.auth: its HMAC key, its Redis ACL user and password;
 # credentials.py), from a Secret volume: a file, never arguments or env values, which `kubectl describe` prints.
@@ -81,6 +84,7 @@ class SpecError(ValueError):
 class PodPolicy:
     """What the operator's configuration lets a job's pods have, beyond their own spec."""
     service_accounts: frozenset[str] = field(default_factory=frozenset)  # spec.serviceAccountName may name these
+    priority_class: Optional[str] = None  # the pods' priorityClassName unless spec.priorityClassName names one
 
 
 @dataclass
@@ -236,10 +240,11 @@ def service(cr: dict) -> dict:
             "spec": {"clusterIP": "None", "selector": {JOB_LABEL: name}, "publishNotReadyAddresses": True}}
 
 
-def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str]) -> dict:
+def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str], policy: PodPolicy = PodPolicy()) -> dict:
     """One executor pod. `avoid_hosts` are the Kubernetes nodes evicted from this job: a required node
     anti-affinity keeps its later pods off them even after someone uncordons them. The spec must have
-    passed `check_pod_spec` (the CRD schema refuses the same)."""
+    passed `check_pod_spec` (the CRD schema refuses the same). A priority class (the spec's, else the
+    operator's) keeps the scheduler from preempting executors for any pod that merely asks first."""
     spec, name = cr["spec"], cr["metadata"]["name"]
     args = ["-m", "megascale.executor", "--job", launch.job, "--node", node, "--redis", without_login(launch.redis_url),
             "--kafka", launch.kafka, "--work-dir", WORK_DIR, "--heartbeat-s", f"{launch.heartbeat_s:g}"]
@@ -284,6 +289,8 @@ def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str]) -> dict
     for key in ("nodeSelector", "tolerations", "serviceAccountName"):
         if spec.get(key):
             body[key] = copy.deepcopy(spec[key])
+    if spec.get("priorityClassName") or policy.priority_class:
+        body["priorityClassName"] = spec.get("priorityClassName") or policy.priority_class
     return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(cr, pod_name(name, node), node),
             "spec": body}
 

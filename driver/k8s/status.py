@@ -34,7 +34,8 @@ def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generati
         "phase": rec.state.value, "reason": rec.reason, "paused": paused, "incarnation": rec.incarnation,
         "restarts": rec.restarts, "recoveries": len(rec.recoveries), "nextNode": rec.next_node,
         "startTime": previous.get("startTime") or iso(now), "lastSyncTime": iso(now),
-        "evictedNodes": list(evicted_hosts),
+        # Never fewer than before: the job's Redis may lose its keys (a flush) between two reads of a pass.
+        "evictedNodes": sorted({*(previous.get("evictedNodes") or []), *evicted_hosts}),
         # A node's machine stays on record after its pod is gone: which machine did the evicted n1 use?
         "nodes": _nodes(rec, live, {**{n["id"]: n.get("host") for n in previous.get("nodes") or []},
                                     **{n: h for n, h in hosts.items() if h}}, name),
@@ -73,13 +74,17 @@ def _nodes(rec: JobRecord, live: Optional[JobStatus], hosts: dict[str, str], nam
 
 def conditions(previous: list[dict], rec: JobRecord, generation: Optional[int], extra: list[dict],
                now: float) -> list[dict]:
-    """Running / Paused / Completed from the phase, plus the operator's own (Valid, EvictionHeld);
-    a condition keeps its lastTransitionTime while its status stays the same."""
+    """Running / Paused / Completed / Failed from the phase, plus the operator's own (Valid, EvictionHeld,
+    FailedCreatePod); a condition keeps its lastTransitionTime while its status stays the same. Completed
+    means success, so that `kubectl wait --for=condition=Completed` waits for nothing else; a job that
+    failed says so in Failed (a stopped one only in its phase)."""
     phase = rec.state.value
     wanted = [
         {"type": "Running", "status": str(phase == JobState.RUNNING.value), "reason": phase, "message": rec.reason},
         {"type": "Paused", "status": str(phase == JobState.PAUSED.value), "reason": phase, "message": rec.reason},
-        {"type": "Completed", "status": str(phase in TERMINAL_PHASES), "reason": phase, "message": rec.reason},
+        {"type": "Completed", "status": str(phase == JobState.SUCCEEDED.value), "reason": phase,
+         "message": rec.reason},
+        {"type": "Failed", "status": str(phase == JobState.FAILED.value), "reason": phase, "message": rec.reason},
         *extra,
     ]
     before = {c["type"]: c for c in previous}
@@ -91,6 +96,14 @@ def conditions(previous: list[dict], rec: JobRecord, generation: Optional[int], 
         out.append({**cond, "lastTransitionTime": since,
                     **({"observedGeneration": generation} if generation is not None else {})})
     return out
+
+
+def pods_refused(refused: dict[str, str], rec: JobRecord) -> dict:
+    """FailedCreatePod: nodes in service whose pod the API server refused (a quota, Pod Security, an invalid
+    field), with its message; False again once each is created or evicted."""
+    live = sorted(why for node, why in refused.items() if (slot := rec.slot(node)) and slot.role != "evicted")
+    return {"type": "FailedCreatePod", "status": str(bool(live)), "reason": "Refused" if live else "Created",
+            "message": "; ".join(live)[:2048]}
 
 
 def changed(old: dict, new: dict) -> bool:

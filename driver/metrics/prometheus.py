@@ -2,10 +2,13 @@
 
 `prometheus_client` renders and serves the families `families` builds from the driver's status and
 each rank's newest timings. `JobMetrics` is the driver's glue: the metrics consumer feeds it, and
-every scrape of `/metrics` collects from it.
+every scrape of `/metrics` collects from it. The endpoint listens on 127.0.0.1 unless
+$MEGASCALE_METRICS_HOST names another address (0.0.0.0 in the operator's pod, deploy/operator.yaml,
+so that an in-cluster Prometheus reaches it).
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Iterable, Optional, Sequence
 from wsgiref.simple_server import WSGIServer
@@ -16,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 
 from .stragglers import Finding, StragglerMonitor, slowness
 
+HOST_ENV = "MEGASCALE_METRICS_HOST"
 # What `generate_latest` writes, and what the endpoint answers a scrape without an Accept header with.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -155,8 +159,10 @@ class JobMetrics:
                             node_names=list(self.monitor.node_names or ()))
 
 
-def serve(build: Callable[[], Iterable[Metric]], port: int, host: str = "127.0.0.1") -> WSGIServer:
+def serve(build: Callable[[], Iterable[Metric]], port: int, host: Optional[str] = None) -> WSGIServer:
     """prometheus_client's endpoint (`/metrics`) on its own thread, collecting `build()` on each scrape;
-    `shutdown()` and `server_close()` the returned server to stop it."""
+    `shutdown()` and `server_close()` the returned server to stop it. `host` defaults to
+    $MEGASCALE_METRICS_HOST, else 127.0.0.1."""
+    host = host or os.environ.get(HOST_ENV) or "127.0.0.1"
     server, _ = start_http_server(port, addr=host, registry=_Collector(build))
     return server

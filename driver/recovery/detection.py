@@ -34,7 +34,7 @@ def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[
             faults.append(Fault("node_dead", slot.node, f"node {slot.node}: its executor exited"))
             continue
         quiet = silence(slot.node)
-        if quiet > cfg.control.dead_after_s:
+        if quiet > silence_limit(slot.node, views, cfg):
             faults.append(Fault("node_dead", slot.node, f"node {slot.node}: no heartbeat for {quiet:.1f} s"))
             continue
         view = views.get(slot.node)
@@ -62,6 +62,13 @@ def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[
                 faults.append(Fault("nan_loss", slot.node, f"loss is {hb.loss} at step {hb.step} on {slot.node}",
                                     {"step": hb.step, "at": hb.time}))
     return faults
+
+
+def silence_limit(node: str, views: dict[str, NodeView], cfg: JobConfig) -> float:
+    """How long `node` may stay silent: control.dead_after_s once heard from; a node never heard from (a spare
+    just put in a dead node's place, still importing torch) gets control.start_timeout_s to report."""
+    ctl = cfg.control
+    return ctl.dead_after_s if node in views else max(ctl.dead_after_s, ctl.start_timeout_s)
 
 
 def all_succeeded(rec: JobRecord, views: dict[str, NodeView], ranks_per_node: int) -> bool:
@@ -104,7 +111,7 @@ class Liveness:
         return self._exited
 
     def gone(self, node: str) -> bool:
-        return node in self.exited() or self.silence(node) > self.cfg.control.dead_after_s
+        return node in self.exited() or self.silence(node) > silence_limit(node, self.views, self.cfg)
 
     def reporting(self, node: str) -> bool:
         view = self.views.get(node)

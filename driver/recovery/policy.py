@@ -28,6 +28,8 @@ def decide(rec: JobRecord, recovery: Recovery, dead: list[str], cfg: JobConfig) 
     gone = sorted(set(dead) | set(bad))
     named = ", ".join(f"{n} ({bad.get(n, 'dead')})" for n in gone)
     what = f"; evicting {named}" if gone else ""
+    if fault.kind == "selfcheck_failed":  # the end of the recovery that restarted before checking: not a restart more
+        return "restart", f"{fault.message}{what}; restarting with the replacement"
     if rec.restarts >= cfg.control.max_restarts:
         return "fail", f"{fault.message}{what}; gave up after {rec.restarts} restarts (control.max_restarts)"
     return "restart", f"{fault.message}{what}; restart {rec.restarts + 1}/{cfg.control.max_restarts}"

@@ -1,6 +1,7 @@
 """Recovery, one reconcile pass at a time (MegaScale §4): a fault opens a recovery; in Recovering the
 driver localises a hang from the flight recorders, stops every rank, self-checks the suspects and their
-group peers, and lets the policy decide. Each step waits on acknowledgements recorded in the job record
+group peers (or, for a node-local fault, restarts at once and checks its node beside the new ranks:
+selfcheck.py), and lets the policy decide. Each step waits on acknowledgements recorded in the job record
 (`rec.phase`, `rec.waiting`), so a driver killed mid-recovery resumes it.
 
 Nodes also leave service outside a recovery: evicted by the user, or a spare that died; those are here too.
@@ -8,7 +9,7 @@ Nodes also leave service outside a recovery: evicted by the user, or a spare tha
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 from megascale.config import JobConfig
 from megascale.elastic import layout_at
@@ -17,7 +18,7 @@ from ..commands import Commands
 from ..pool import NodePool
 from ..state import Fault, JobRecord, JobState, JobStore, NodeSlot, Phase, Recovery
 from . import policy, selfcheck, shrink, timings
-from .detection import Liveness
+from .detection import Liveness, silence_limit
 from .hang import HangClock, progress
 from .localization import localize
 
@@ -70,7 +71,8 @@ class Recoverer:
                        suspect_nodes=nodes)
             host.commands.await_phase(rec, Phase.STOP)
         if rec.phase is Phase.STOP:
-            answered = self._collect(rec, lambda slot: {"incarnation": rec.incarnation}, silent,
+            checks = selfcheck.wanted(recovery.fault, cfg)  # executors load the suite while their ranks stop
+            answered = self._collect(rec, lambda slot: {"incarnation": rec.incarnation, "selfcheck": checks}, silent,
                                      ctl.command_timeout_s)
             if answered is None:
                 return  # live nodes still stopping their ranks
@@ -78,11 +80,18 @@ class Recoverer:
             for node in sorted(silent | (set(unanswered) if timed_out else set())):
                 slot = rec.slot(node)
                 slot.dead = slot.dead or ("no heartbeat" if node in silent else "no acknowledgement")
+            if later := selfcheck.in_background(rec, recovery, cfg, host.liveness.gone):
+                host.event("info", f"restarting at once; self-check of {', '.join(later)} beside the new ranks "
+                           f"({ctl.selfcheck_checks})", rec, nodes=later)
+                self._decide(rec, recovery, later)
+                return
             targets = selfcheck.targets(rec, recovery, cfg, host.liveness.gone)
             if not targets:
                 self._decide(rec, recovery)
                 return
-            recovery.suspects, recovery.bad = targets, {}
+            recovery.suspects = targets
+            for node in targets:  # checked now: a background check still running there is superseded
+                rec.checking.pop(node, None)
             host.event("info", f"self-check of {', '.join(targets)} ({ctl.selfcheck_checks})", rec, nodes=targets)
             host.commands.await_phase(rec, Phase.SELFCHECK)
         if rec.phase is Phase.SELFCHECK:
@@ -107,11 +116,14 @@ class Recoverer:
             return None
         return failed, unanswered, timed_out
 
-    def _decide(self, rec: JobRecord, recovery: Recovery) -> None:
+    def _decide(self, rec: JobRecord, recovery: Recovery, later: Sequence[str] = ()) -> None:
+        """`later`: nodes to self-check beside the restarted ranks."""
         host, fault = self.host, recovery.fault
         dead = sorted(s.node for s in rec.slots("active") if s.dead)
         if fault.kind == "straggler" and fault.node and rec.slot(fault.node) is not None:
             recovery.bad.setdefault(fault.node, "straggler")  # a passing self-check does not make it fast
+        if fault.kind == "selfcheck_failed" and fault.node:
+            recovery.bad.setdefault(fault.node, fault.detail["why"])  # checked already, beside the ranks
         decision, reason = policy.decide(rec, recovery, dead, host.cfg)
         host.event("fault", f"decision: {decision}: {reason}", rec, node=fault.node, decision=decision,
                    dead=dead, failed_selfcheck=recovery.bad)
@@ -120,8 +132,10 @@ class Recoverer:
         if decision == "restart":
             for node, why in policy.evictions(rec, recovery, dead, host.cfg).items():
                 self.evict(rec, node, why)
-            rec.restarts += 0 if fault.kind == "evicted" else 1
+            rec.restarts += 0 if fault.kind in ("evicted", "selfcheck_failed") else 1
             self._place(rec)
+            for node in later:
+                selfcheck.send_background(rec, host.cfg, host.store, node)
             if short := host.pool.missing(rec):
                 shrinks = " and no smaller dp fits" if host.cfg.control.no_spare == "shrink" else ""
                 host.move(rec, JobState.PAUSED, f"waiting for capacity: {short} node(s) short and no spare left"
@@ -134,6 +148,10 @@ class Recoverer:
             host.move(rec, JobState.PAUSED, reason)
         else:
             host.move(rec, JobState.FAILED, reason)
+
+    def background_fault(self, rec: JobRecord) -> Optional[Fault]:
+        """A node whose self-check beside the ranks failed, as a fault to recover from (selfcheck.py)."""
+        return selfcheck.background_fault(rec, self.host.cfg, self.host.store, self.host.event)
 
     def evict(self, rec: JobRecord, node: str, why: str) -> None:
         """Takes `node` out of service for good; a spare takes its place if one is left."""
@@ -191,10 +209,9 @@ class Recoverer:
     def watch_spares(self, rec: JobRecord) -> None:
         """A spare that exits or goes silent is evicted and replaced, so the pool holds only live nodes.
         One never heard from gets control.start_timeout_s to report (a pod may wait for a machine)."""
-        host, ctl = self.host, self.host.cfg.control
+        host = self.host
         for slot in rec.slots("spare"):
-            heard = slot.node in host.liveness.views
-            silent = host.liveness.silence(slot.node) > (ctl.dead_after_s if heard else ctl.start_timeout_s)
+            silent = host.liveness.silence(slot.node) > silence_limit(slot.node, host.liveness.views, host.cfg)
             if (silent or slot.node in host.liveness.exited()) and rec.state != JobState.PENDING:
                 slot.dead = "no heartbeat" if silent else "exited"
                 host.event("node", f"spare {slot.node} {'went silent' if silent else 'exited'}: evicting it", rec,

@@ -1,23 +1,37 @@
-"""Self-checks before a restart (MegaScale §4.3): the live suspects and every node sharing a communication
-group with them run the diagnostics suite (the `diagnose` command); a node that fails it is evicted, one
-that passes is kept.
+"""Self-checks (MegaScale §4.3): the diagnostics suite (the `diagnose` command) on the nodes a fault points at;
+a node that fails it is evicted, one that passes is kept.
+
+Before the restart, for a fault whose cause may lie anywhere (a hang, a timeout, a dead node, a crash by an
+exception): the live suspects and every node sharing a communication group with them. Beside the restarted
+ranks, for a fault with a known node-local cause (a rank killed by a signal such as the OOM killer's, a CUDA
+OOM, a NaN loss): its node only; the restart does not wait, and a node that fails opens a recovery of its own
+(`selfcheck_failed`) that evicts it. The ranks' start-up (process start, imports, rendezvous, restore) takes
+longer than the check, so the check mostly shares the node with ranks that do not compute yet.
 """
 from __future__ import annotations
 
 import json
+import signal
+import time
 from typing import Callable, Optional
 
 from megascale.config import JobConfig
 
-from ..state import JobRecord, Recovery
+from ..state import BackgroundCheck, Fault, JobRecord, JobStore, Recovery
 from .localization import group_members, peers_of
+
+
+def wanted(fault: Fault, cfg: JobConfig) -> bool:
+    """Whether this recovery may self-check a node (before the restart or beside it)."""
+    ctl = cfg.control
+    return ctl.auto_recover and ctl.selfcheck and fault.kind not in ("evicted", "selfcheck_failed")
 
 
 def targets(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[str], bool]) -> list[str]:
     """Live suspects (else the fault's node, else every node) and the nodes sharing a group with them;
     none when recovery is manual, self-checks are off, or the user evicted the node already."""
-    ctl, fault = cfg.control, recovery.fault
-    if not (ctl.auto_recover and ctl.selfcheck) or fault.kind == "evicted":
+    fault = recovery.fault
+    if not wanted(fault, cfg):
         return []
     suspects = set(recovery.suspects) or ({fault.node} if fault.node else {s.node for s in rec.slots("active")})
     rpn, p = cfg.ranks_per_node, cfg.parallelism
@@ -25,8 +39,8 @@ def targets(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[
     ranks = {r for s in rec.slots("active") if s.node in suspects
              for r in range(s.index * rpn, (s.index + 1) * rpn)}
     peers = {index.get(r // rpn) for r in peers_of(ranks, group_members(p.tp, p.pp, p.dp))}
-    return sorted(n for n in (suspects | peers) - {None}
-                  if not rec.slot(n).dead and not gone(n))  # type: ignore[arg-type]
+    return sorted(n for n in (suspects | peers) - {None}  # type: ignore[operator]
+                  if not rec.slot(n).dead and not gone(n) and n not in recovery.bad)  # type: ignore[union-attr]
 
 
 def request(cfg: JobConfig, inject: dict) -> dict:
@@ -69,3 +83,62 @@ def _failed_checks(detail: str) -> Optional[str]:
     failed = (sorted({f for n in report.get("nodes", []) for f in n.get("failed", [])})
               if isinstance(report, dict) else [])
     return ", ".join(failed) or "failed"
+
+
+# Deaths by these signals come from the node itself (the OOM killer's or a user's SIGKILL, a bad access);
+# SIGABRT is left out: the NCCL watchdog aborts the peers of a failed rank with it.
+NODE_LOCAL_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+
+
+def node_local(fault: Fault) -> bool:
+    """A fault whose cause is known and on its own node: its self-check can run beside the restarted ranks."""
+    if fault.kind == "rank_failed":
+        code = fault.detail.get("exit_code")
+        return isinstance(code, int) and code < 0 and -code in NODE_LOCAL_SIGNALS  # Popen: -N = killed by N
+    return fault.kind == "nan_loss" or (fault.kind == "rank_error" and fault.detail.get("error") == "oom")
+
+
+def in_background(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[str], bool]) -> list[str]:
+    """The node to check beside the restarted ranks: a node-local fault's, if alive and self-checks are on."""
+    ctl, node = cfg.control, recovery.fault.node
+    if not (ctl.auto_recover and ctl.selfcheck and node_local(recovery.fault)) or node is None:
+        return []
+    slot = rec.slot(node)
+    return [node] if slot is not None and slot.role == "active" and not slot.dead and not gone(node) else []
+
+
+def send_background(rec: JobRecord, cfg: JobConfig, store: JobStore, node: str, retried: bool = False) -> None:
+    """Starts `node`'s self-check beside its ranks: sent before the next `start`, so it runs while they start."""
+    args = {**request(cfg, store.take_injection(node)), "background": True}
+    rec.checking[node] = BackgroundCheck(store.send(node, "diagnose", args), time.time(), retried)
+
+
+def background_fault(rec: JobRecord, cfg: JobConfig, store: JobStore, event: Callable[..., None]) -> Optional[Fault]:
+    """Collects the finished background self-checks: a pass keeps the node, a failure is a fault that evicts it
+    (or, under control.crashed_selfcheck=retry, checks it once more first)."""
+    if not rec.checking:
+        return None
+    results, ctl = store.selfchecks(), cfg.control
+    for node, check in sorted(rec.checking.items()):
+        slot, ack = rec.slot(node), results.get(node)
+        if slot is None or slot.role != "active":
+            del rec.checking[node]  # evicted meanwhile: nothing left to decide
+            continue
+        if ack is None or ack.seq != check.seq:
+            if time.time() - check.sent > ctl.selfcheck_budget_s + ctl.command_timeout_s:
+                event("info", f"no result of {node}'s background self-check; kept", rec, node=node)
+                del rec.checking[node]
+            continue
+        del rec.checking[node]
+        why = None if ack.ok else _failed_checks(ack.detail)
+        if ack.ok:
+            event("node", f"{node} passed its background self-check: kept", rec, node=node)
+        elif why is None:
+            event("info", f"background self-check on {node} could not run: {ack.detail[:200]}", rec, node=node)
+        elif ctl.crashed_selfcheck == "retry" and not check.retried:
+            event("info", f"background self-check failed on {node} ({why}); checking once more", rec, node=node)
+            send_background(rec, cfg, store, node, retried=True)
+        else:
+            return Fault("selfcheck_failed", node, f"node {node} failed its self-check in the background ({why})",
+                         {"why": f"self-check failed: {why}"})
+    return None

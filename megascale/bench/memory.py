@@ -2,12 +2,12 @@
 of gradients under ZeRO-1 and ZeRO-2, plus what recomputation costs in step time.
 
 Activations (one rank): on a GPU the peak of `torch.cuda.max_memory_allocated` through a step's
-forward and backward above what was allocated before it; on the CPU the unique storages of the tensors forward
-saves for backward (`saved_tensors_hooks`) plus the inputs a recomputed module keeps to run
-again, parameters and buffers left out. Each mode is measured with the attention kernel the
-engine picks and again with SDPA's math kernel, which stores the seq x seq scores. Gradients:
-the engine's own accounting (grad_buffers.py), measured after real steps of two microbatches on
-dp ranks.
+forward and backward above what was allocated before it; on the CPU the unique storages of the
+tensors forward saves for backward (`saved_tensors_hooks`) plus the inputs a recomputed module
+keeps to run again, parameters and buffers left out, their bytes read when the forward ends. Each
+mode is measured with the attention kernel the engine picks and again with SDPA's math kernel,
+which stores the seq x seq scores. Gradients: the engine's own accounting (grad_buffers.py),
+measured after real steps of two microbatches on dp ranks.
 """
 from __future__ import annotations
 
@@ -40,19 +40,23 @@ def memory_job(quick: bool, recompute: str = "none", dp: int = 1, zero: int = 2,
 
 
 class SavedActivations:
-    """Unique storages of what forward keeps for backward, weights and buffers excluded."""
+    """Unique storages of what forward keeps for backward, weights and buffers excluded, counted
+    when the forward ends: `selective` frees its norm and activation outputs after each block's
+    forward, while the tensors saved of them stay (empty) until backward refills them."""
 
     def __init__(self, chunks: list[nn.Module], recompute: str):
-        self.storages: dict[int, int] = {}
+        self.storages: dict[int, torch.UntypedStorage] = {}
         self.excluded = {t.untyped_storage().data_ptr() for chunk in chunks
                          for t in [*chunk.parameters(), *chunk.buffers()]}
         self.hooks = [module.register_forward_pre_hook(self._keep_inputs)
                       for module in recomputed_modules(chunks, recompute)]
+        self.hooks.append(chunks[-1].register_forward_hook(self._forward_ended))
+        self.at_forward_end = 0
 
     def _record(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage.data_ptr() not in self.excluded:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+            self.storages[storage.data_ptr()] = storage
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._record(t)
@@ -63,6 +67,9 @@ class SavedActivations:
             if isinstance(a, torch.Tensor):
                 self._record(a)
 
+    def _forward_ended(self, *_) -> None:
+        self.at_forward_end = sum(storage.nbytes() for storage in self.storages.values())
+
     def step(self, trainer: Trainer) -> int:
         """Saved-activation bytes of one training step (one microbatch: all of it alive at once)."""
         self.storages.clear()
@@ -70,7 +77,8 @@ class SavedActivations:
             trainer.step()
         for hook in self.hooks:
             hook.remove()
-        return sum(self.storages.values())
+        self.storages.clear()
+        return self.at_forward_end
 
 
 def activation_bytes(trainer: Trainer, recompute: str) -> int:

@@ -17,6 +17,7 @@ bytes that were sent without re-encoding anything.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -25,7 +26,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 from urllib.parse import urlparse, urlunparse
 
 SECRETS_ENV = "MEGASCALE_SECRETS"
@@ -99,6 +100,21 @@ def from_env() -> Optional[JobSecrets]:
     Read anew each time (at start-ups, not per message): a job run again under its name has new ones."""
     path = os.environ.get(SECRETS_ENV)
     return JobSecrets.read(path) if path else None
+
+
+@contextlib.contextmanager
+def restoring_secrets_env() -> Iterator[None]:
+    """$MEGASCALE_SECRETS as it was once the block ends. A job's supervisor (or its clean-up) sets it for its
+    own clients and the children it starts; an in-process caller (the CLI's tests, a notebook running several
+    jobs) must not carry one job's key into the next."""
+    before = os.environ.get(SECRETS_ENV)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SECRETS_ENV, None)
+        else:
+            os.environ[SECRETS_ENV] = before
 
 
 def env_signer() -> Optional[Signer]:

@@ -213,6 +213,11 @@ def acks_key(job: str) -> str:
     return f"megascale:{{{job}}}:acks"
 
 
+def selfchecks_key(job: str) -> str:
+    """Background self-checks' results, node -> Ack of the `diagnose` command (acks stay in command order)."""
+    return f"megascale:{{{job}}}:selfchecks"
+
+
 def slow_ranks_key(job: str, node: str) -> str:
     return f"megascale:{{{job}}}:slow:{node}"
 

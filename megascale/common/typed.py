@@ -187,8 +187,21 @@ def _optional(hint: Any, rules: Rules) -> _Convert:
     return optional
 
 
+def _unchanged(hint: Any, rules: Rules) -> frozenset[type]:
+    """Value types a field of `hint` takes as they are: the build loop skips its converter for them (most
+    fields of a heartbeat are such scalars; the call per field was most of the driver's decode time)."""
+    if hint in _WORDS:
+        return frozenset({hint})  # an int for a float is converted; a bool is never an int here (exact type)
+    if _origin(hint) is Union:
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        kept = _unchanged(inner[0], rules) if len(inner) == 1 else frozenset()
+        return (kept - {str} if rules.text else kept) | {type(None)}  # text mode reads "none" as None
+    return frozenset()
+
+
 def _dataclass(cls: type, rules: Rules) -> _Convert:
-    fields = [(name, attribute, _converter(hint, rules), required) for name, attribute, hint, required in _fields(cls)]
+    fields = [(name, attribute, _converter(hint, rules), required, _unchanged(hint, rules))
+              for name, attribute, hint, required in _fields(cls)]
     names = frozenset(name for name, *_ in fields)
 
     def build(value: Any) -> Any:
@@ -199,10 +212,14 @@ def _dataclass(cls: type, rules: Rules) -> _Convert:
         if rules.forbid_unknown and not names.issuperset(value):
             raise Invalid("unknown", name=str(min(set(value) - names, key=str)), known=tuple(sorted(names)))
         kwargs = {}
-        for name, attribute, convert, required in fields:
+        for name, attribute, convert, required, unchanged in fields:
             if name in value:
+                given = value[name]
+                if type(given) in unchanged:
+                    kwargs[attribute] = given
+                    continue
                 try:
-                    kwargs[attribute] = convert(value[name])
+                    kwargs[attribute] = convert(given)
                 except Invalid as e:
                     e.path = (name, *e.path)
                     raise

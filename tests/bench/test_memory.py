@@ -1,5 +1,5 @@
-"""`megascale bench memory`: recomputation cuts saved activations; ZeRO-2 holds a rank's gradient
-shard plus about two buckets where ZeRO-1 holds the full buffer and the shard."""
+"""`megascale bench memory`: recomputation cuts saved activations (`selective` by 1.5x); ZeRO-2 holds
+a rank's gradient shard plus about two buckets where ZeRO-1 holds the full buffer and the shard."""
 import dataclasses
 
 from megascale.bench.memory import MODES, activation_bytes, gradients, memory_job
@@ -17,8 +17,9 @@ def test_recompute_cuts_saved_activations():
         saved[mode] = activation_bytes(trainer, mode)
         trainer.close()
     assert saved["none"] >= 3 * saved["full"]
-    # With a fused attention kernel only the core's output is dropped: a small, real cut.
-    assert saved["full"] < saved["selective"] < saved["none"]
+    # Even with a fused attention kernel (no seq x seq scores to drop): the norms' and the
+    # activation's outputs are freed, 7 of gpt's 19 hidden-wide activations per block.
+    assert saved["full"] < saved["selective"] <= saved["none"] / 1.5
 
 
 def test_zero2_gradient_bytes_fall_as_one_over_dp():

@@ -1,6 +1,7 @@
 """train.recompute: `selective` and `full` give the losses and gradients of `none` (within 1e-6), on
 one device (both archs, serial and parallel blocks, sliding window, document mask, dropout) and
-through the Trainer at tp2 with sequence parallelism and chunked TP overlap, and at pp2 vpp2.
+through the Trainer at tp2 with sequence parallelism (parallel block with chunked TP overlap; serial
+block without, where the gathered norm output is freed and gathered again), and at pp2 vpp2.
 Dropout is on throughout, so recomputation must draw the masks forward drew."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from megascale.config import from_dict
 from megascale.launch import run_ranks
 from megascale.model.gpt import GPT
-from megascale.parallel.recompute import apply_recompute, recomputed_modules
+from megascale.parallel.recompute import apply_recompute, discarded_output_modules, recomputed_modules
 from megascale.train import Trainer, layout_of
 from parity_support import job
 
@@ -48,11 +49,33 @@ def test_recompute_matches_none_on_one_device(model_fields, documents):
     assert one_device_run({**model_fields, "dropout": 0.0}, "none", documents)[0] != loss
 
 
-def test_recompute_targets_the_blocks_or_their_attention_cores():
+def test_recompute_targets_the_blocks_or_their_attention_cores_norms_and_activations():
     model = GPT(from_dict({"model": {"layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 64, "seq": 8}}).model)
     assert recomputed_modules([model], "full") == list(model.blocks.values())
-    assert recomputed_modules([model], "selective") == [block.attn.core for block in model.blocks.values()]
+    assert recomputed_modules([model], "selective") == [
+        m for b in model.blocks.values() for m in (b.attn.core, b.ln_1, b.ln_2, b.mlp.act)]
     assert recomputed_modules([model], "none") == []
+
+
+@pytest.mark.parametrize("model_fields", [{"arch": "gpt"}, {"arch": "llama", "block": "parallel"}])
+def test_selective_frees_norm_and_activation_outputs_until_backward(model_fields):
+    cfg = from_dict({"model": {"layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 64, "seq": 8,
+                               **model_fields}}).model
+    model = GPT(cfg)
+    apply_recompute([model], "selective")
+    outputs = []
+    for block in model.blocks.values():
+        for module in discarded_output_modules(block):
+            module.register_forward_hook(lambda _m, _a, out: outputs.append(out))
+    loss = model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    assert len(outputs) == 2 * len(discarded_output_modules(model.blocks["0"]))
+    assert all(out.untyped_storage().nbytes() == 0 for out in outputs)  # what the GEMMs saved holds no bytes
+    loss.backward()
+    assert all(out.untyped_storage().nbytes() == out.numel() * 4 for out in outputs)  # rebuilt for backward
+    with torch.no_grad():  # validation: nothing is freed
+        outputs.clear()
+        model(torch.randint(0, 64, (2, 8)))
+        assert all(out.untyped_storage().nbytes() > 0 for out in outputs)
 
 
 def _losses_and_grads(ctx, cfgs):
@@ -76,6 +99,7 @@ def _losses_and_grads(ctx, cfgs):
 
 @pytest.mark.parametrize("parallelism, model", [
     ({"tp": 2, "sequence_parallel": True, "overlap": {"tp": True}}, {"block": "parallel", "window": 8}),
+    ({"tp": 2, "sequence_parallel": True}, {"arch": "llama"}),
     ({"pp": 2, "vpp": 2}, {"arch": "llama", "global_batch": 4}),
 ])
 def test_recompute_matches_none_under_tp_sp_and_interleaved_pp(parallelism, model):

@@ -14,10 +14,18 @@ Like the real one:
   (schema_tools: jsonschema, unknown fields refused, CEL rules by a Python stand-in)
 - bearer-token users; RBAC from Role/ClusterRole + bindings for non-admins (403 Forbidden), every
   request recorded as (user, verb, group, resource, namespace) for least-privilege checks
-- graceful pod deletion (deletionTimestamp; the kubelet stand-in finishes it, grace 0 forces it) and
-  garbage collection of objects whose ownerReferences name a deleted object
+- graceful pod deletion (deletionTimestamp; the kubelet stand-in finishes it, grace 0 forces it), delete
+  preconditions (uid: 409 Conflict for another object of the name), and garbage collection of objects
+  whose ownerReferences name a deleted object: at once, or (`gc = False`) when `collect_garbage()` runs,
+  as the real collector does some time later
+- events (core/v1), and the field selector metadata.name=<name> on lists
 
-Simplified: strategic merge replaces lists; no field selectors, set-based selectors, JSON patch,
+Switchable per test, as real clusters behave: `fail(verb, plural, code)` answers the next requests with
+an error (403 quota / Pod Security refusals, 422, 429 with Retry-After, 5xx); `end_pod` ends a pod the way
+the kubelet and the control plane do (OOMKilled, Evicted, preempted with a DisruptionTarget condition,
+stuck in ImagePullBackOff); `set_ready` marks a machine NotReady or Ready.
+
+Simplified: strategic merge replaces lists; no other field selectors, set-based selectors, JSON patch,
 server-side apply, discovery or webhooks.
 """
 from __future__ import annotations
@@ -52,6 +60,7 @@ class Kind:
 BUILTIN = [Kind("", "v1", "pods", "Pod", True), Kind("", "v1", "services", "Service", True),
            Kind("", "v1", "configmaps", "ConfigMap", True), Kind("", "v1", "secrets", "Secret", True),
            Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True),
+           Kind("", "v1", "events", "Event", True),
            Kind("", "v1", "nodes", "Node", False),
            Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False)]
 
@@ -99,6 +108,8 @@ class FakeApiServer:
         self.grants: dict[str, list[tuple[Optional[str], dict]]] = {}  # user -> [(namespace or None, rule)]
         self.requests: list[tuple[str, str, str, str, Optional[str], int]] = []
         self.on_pod_delete: Optional[Callable[[dict], bool]] = None  # the kubelet: True = it finishes the delete
+        self.gc = True  # False: dependents of deleted objects stay until collect_garbage()
+        self.faults: list[list] = []  # [verb, plural, code, message, retry_after, times left]
         self.closed = False
         self.httpd: Optional[ThreadingHTTPServer] = None
 
@@ -192,6 +203,69 @@ class FakeApiServer:
         with self.cond:
             self._remove((group, plural, namespace or "", name))
 
+    def fail(self, verb: str, plural: str, code: int, times: int = 1, message: str = "",
+             retry_after: Optional[int] = None) -> None:
+        """The next `times` requests `verb` on `plural` are answered `code` (after authorization)."""
+        reasons = {403: "Forbidden", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError",
+                   503: "ServiceUnavailable", 504: "Timeout"}
+        self.faults.append([verb, plural, code, message or f"{reasons.get(code, code)} (injected)", retry_after,
+                            times])
+
+    def _fault(self, verb: str, plural: str) -> Optional[tuple[ApiError, Optional[int]]]:
+        with self.cond:
+            for fault in self.faults:
+                if fault[:2] == [verb, plural] and fault[5] > 0:
+                    fault[5] -= 1
+                    return ApiError(fault[2], {403: "Forbidden", 422: "Invalid", 429: "TooManyRequests"}.get(
+                        fault[2], "InternalError"), fault[3]), fault[4]
+        return None
+
+    def collect_garbage(self) -> None:
+        """Deletes objects whose owners are all gone (with `gc = False`, what the collector does later)."""
+        with self.cond:
+            uids = {o["metadata"]["uid"] for o in self.objects.values()}
+            for key, obj in list(self.objects.items()):
+                refs = obj["metadata"].get("ownerReferences") or []
+                if refs and key in self.objects and not any(r.get("uid") in uids for r in refs):
+                    self._delete(key, None)
+
+    def end_pod(self, name: str, namespace: str, how: str) -> Optional[dict]:
+        """Ends (or stalls) a pod as a real cluster would: OOMKilled, Evicted (kubelet node pressure),
+        Preempted (DisruptionTarget PreemptionByScheduler, then a graceful delete), ImagePullBackOff."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+        def change(pod: dict) -> None:
+            container = pod["spec"]["containers"][0]["name"]
+            status = pod.setdefault("status", {})
+            if how == "OOMKilled":
+                status.update(phase="Failed", containerStatuses=[{"name": container, "ready": False, "restartCount": 0,
+                              "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": now}}}])
+            elif how == "Evicted":
+                status.update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
+            elif how == "Preempted":
+                status.setdefault("conditions", []).append({
+                    "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+                    "message": "default-scheduler: preempting to accommodate a higher priority pod",
+                    "lastTransitionTime": now})
+            elif how == "ImagePullBackOff":
+                status.update(phase="Pending", containerStatuses=[{"name": container, "ready": False, "restartCount": 0,
+                              "state": {"waiting": {"reason": "ImagePullBackOff",
+                                                    "message": 'Back-off pulling image "megascale:typo"'}}}])
+            else:
+                raise ValueError(how)
+        ended = self.update("pods", name, namespace, change)
+        if how == "Preempted" and ended is not None:  # the scheduler deletes its victims gracefully
+            with self.cond:
+                self._delete(("", "pods", namespace, name), None)
+        return ended
+
+    def set_ready(self, machine: str, ready: bool) -> None:
+        """A machine's Ready condition, as the node lifecycle controller sets it (NotReady: Unknown)."""
+        self.update("nodes", machine, None, lambda n: n.setdefault("status", {}).update(conditions=[{
+            "type": "Ready", "status": "True" if ready else "Unknown",
+            "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+            "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]))
+
     def compact(self) -> None:
         """Forgets the event history: open watches, and new ones from older resourceVersions, get 410 Gone."""
         with self.cond:
@@ -257,7 +331,7 @@ class FakeApiServer:
         self.log.append((self.rv, "DELETED", key, copy.deepcopy(obj)))
         self.cond.notify_all()
         uid = obj["metadata"]["uid"]  # garbage collection: dependents go with their owner
-        for other_key, other in list(self.objects.items()):
+        for other_key, other in list(self.objects.items()) if self.gc else []:
             if any(ref.get("uid") == uid for ref in other["metadata"].get("ownerReferences") or []):
                 self._delete(other_key, None)
 
@@ -296,6 +370,11 @@ class FakeApiServer:
             if verb == "watch":
                 self.requests.append((user, verb, kind.group, resource, namespace, 200))
                 return self._watch(req, kind, namespace, query)
+            fault = self._fault(verb, resource)
+            if fault is not None:
+                self.requests.append((user, verb, kind.group, resource, namespace, fault[0].code))
+                headers = {"Retry-After": str(fault[1])} if fault[1] is not None else {}
+                return self._reply(req, fault[0].code, fault[0].status(), headers)
             code, result = self._serve(req, verb, kind, namespace, name, sub, query, body)
             self.requests.append((user, verb, kind.group, resource, namespace, code))
         except ApiError as e:
@@ -345,9 +424,11 @@ class FakeApiServer:
         with self.cond:
             key = (kind.group, kind.plural, namespace or "", name or "")
             if verb == "list":
-                items = [copy.deepcopy(o) for (g, p, ns, _), o in sorted(self.objects.items())
+                by_name = (query.get("fieldSelector") or "").removeprefix("metadata.name=") or None
+                items = [copy.deepcopy(o) for (g, p, ns, n), o in sorted(self.objects.items())
                          if (g, p) == (kind.group, kind.plural) and (namespace is None or ns == namespace)
-                         and matches(o["metadata"].get("labels") or {}, query.get("labelSelector"))]
+                         and matches(o["metadata"].get("labels") or {}, query.get("labelSelector"))
+                         and by_name in (None, n)]
                 return 200, {"apiVersion": kind.api_version, "kind": f"{kind.kind}List",
                              "metadata": {"resourceVersion": str(self.rv)}, "items": items}
             if verb == "create":
@@ -358,6 +439,10 @@ class FakeApiServer:
             if verb == "get":
                 return 200, copy.deepcopy(self.objects[key])
             if verb == "delete":
+                wanted_uid = ((body or {}).get("preconditions") or {}).get("uid")
+                if wanted_uid and wanted_uid != self.objects[key]["metadata"]["uid"]:
+                    raise ApiError(409, "Conflict", f'Precondition failed: UID in precondition: {wanted_uid}, UID in '
+                                                    f'object meta: {self.objects[key]["metadata"]["uid"]}')
                 grace = query.get("gracePeriodSeconds", (body or {}).get("gracePeriodSeconds"))
                 return 200, self._delete(key, None if grace is None else int(grace))
             old = self.objects[key]
@@ -441,9 +526,11 @@ class FakeApiServer:
         req.close_connection = True
 
     @staticmethod
-    def _reply(req, code: int, result: dict) -> None:
+    def _reply(req, code: int, result: dict, headers: Optional[dict] = None) -> None:
         data = json.dumps(result).encode()
         req.send_response(code)
+        for header, value in (headers or {}).items():
+            req.send_header(header, value)
         req.send_header("Content-Type", "application/json")
         req.send_header("Content-Length", str(len(data)))
         req.end_headers()

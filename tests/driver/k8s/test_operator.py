@@ -19,6 +19,7 @@ from fake_kubelet import FakeCluster
 from k8s_support import NS, OPERATOR_USER, wait_for
 from megascale.driver.k8s.cli import request
 from megascale.driver.k8s.crd import crd
+from megascale.driver.k8s.evictions import evict_failed
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.operator import Operator
 from megascale.driver.k8s.spec import ServiceDefaults
@@ -66,6 +67,7 @@ def trainingjob(checkpoint: Path) -> list[dict]:
              "spec": {"image": "megascale:test", "nodes": 2, "devicesPerNode": 2, "deviceResource": "",
                       "parallelism": {"dp": 4}, "spares": 1, "checkpoint": {"uri": str(checkpoint)},
                       "policy": {"heartbeatSeconds": 0.5, "deadAfterSeconds": 8, "commandTimeoutSeconds": 20},
+                      "nodeNotReadyGraceSeconds": 1,  # the operator evicts, before the driver's heartbeat timeout
                       "config": {"configMapRef": {"name": "gpt-config", "key": "job.yaml"}}}}]
 
 
@@ -127,6 +129,7 @@ def test_launch_failure_eviction_restart_pause_operator_restart_redis_loss_delet
         assert {n["id"]: n["role"] for n in s["nodes"]} == {"n0": "active", "n1": "evicted", "n2": "active",
                                                           "n3": "spare"}
         assert s["evictedNodes"] == [bad] and s["restarts"] == 0  # an eviction is not a rank failure
+        assert any(e["reason"] == "NodeNotReady" and e["involvedObject"]["uid"] == uid for e in api.list("events", NS))
         # NotReady is no self-check failure: the machine stays schedulable for others (this job avoids it)
         assert not api.get("nodes", bad)["spec"].get("unschedulable")
         spare = wait_for(lambda: pods().get("n3", {}).get("spec", {}).get("nodeName") and pods()["n3"], 20,
@@ -261,12 +264,22 @@ def test_a_job_the_driver_paused_over_a_silent_node_is_evicted_and_resumed():
                      NodeSlot("n2", "spare", None, True)]
         running = {n: {"metadata": {"name": f"{JOB}-{n}"}, "spec": {"nodeName": f"m{n[1]}"},
                        "status": {"phase": "Running"}} for n in ("n0", "n1", "n2")}
-        operator = Operator(None, NS, ServiceDefaults())  # type: ignore[arg-type]
+        events = []
+
+        class Events:  # what the operator tells the TrainingJob
+            def create_event(self, cr, kind, reason, message):
+                events.append((reason, message))
+
+        operator = Operator(Events(), NS, ServiceDefaults())  # type: ignore[arg-type]
         rt = Runtime(NS, JOB, "uid", store, K8sState(store.r, store.job), redis_server.url, "k:1", False, {})
         spec = {"nodes": 2, "spares": 1, "paused": False}
 
+        def cr(**change) -> dict:
+            return {"metadata": {"name": JOB, "namespace": NS, "uid": "uid"}, "spec": {**spec, **change}}
+
         store.set_desired("paused")  # as the driver's recovery policy does
-        operator._evict(rt, {**spec, "paused": True}, rec, running, {}, set())
+        evict_failed(operator, rt, cr(paused=True), rec, running, {}, set())
         assert store.evict_requests() == [] and store.desired() == "paused"  # the user paused it too: hands off
-        operator._evict(rt, spec, rec, running, {}, set())
+        evict_failed(operator, rt, cr(), rec, running, {}, set())
         assert store.evict_requests() == ["n1"] and store.desired() == "running"
+        assert events == [("NoHeartbeat", "node n1: no heartbeat (no heartbeat)")]

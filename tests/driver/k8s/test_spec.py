@@ -123,11 +123,16 @@ def machine(ready: str) -> dict:
 def test_failed_nodes_from_pods_and_machines():
     pods = {"n0": pod_on("m0"), "n1": pod_on("m1"), "n2": pod_on("m2", "Failed")}
     pods["n2"]["status"]["containerStatuses"] = [{"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]
-    failed = health.failed_nodes(record(), pods, {"m0": machine("True"), "m1": machine("Unknown")}, lambda n: 0, 30)
-    assert failed == {"n1": "node m1 of pod p-m1 is NotReady", "n2": "pod p-m2 failed (exit code 137, OOMKilled)"}
+    failed = health.failed_nodes(record(), pods, {"m0": machine("True"), "m1": machine("Unknown")}, lambda n: 0, 30,
+                                 lambda host: 61, 60)
+    assert {n: f.message for n, f in failed.items()} == {
+        "n1": "node m1 of pod p-m1 is NotReady (for 61 s)",
+        "n2": "pod p-m2: its container was killed for using more memory than no memory limit (the machine ran "
+              "out): raise spec.resources.limits.memory or lower spec.shmSize"}
     gone = health.failed_nodes(record(), {"n0": pod_on("m0", deletionTimestamp="t")}, {}, lambda n: 31, 30)
-    assert gone == {"n0": "pod p-m0 is being deleted", "n1": "its pod is gone (missing for 31 s)",
-                    "n2": "its pod is gone (missing for 31 s)"}
+    assert {n: f.message for n, f in gone.items()} == {
+        "n0": "pod p-m0 is being deleted (not by its driver)", "n1": "its pod is gone (missing for 31 s)",
+        "n2": "its pod is gone (missing for 31 s)"}
     assert health.failed_nodes(record(), {}, {}, lambda n: 5, 30) == {}  # not created yet, maybe
 
 
@@ -144,7 +149,7 @@ def test_judge_holds_back_job_wide_failures():
 def test_silent_nodes_are_the_ones_the_driver_declared_dead():
     rec = record(JobState.PAUSED)
     rec.nodes[1].dead = "no heartbeat"
-    assert health.silent_nodes(rec) == {"n1": "no heartbeat (no heartbeat)"}
+    assert {n: f.message for n, f in health.silent_nodes(rec).items()} == {"n1": "no heartbeat (no heartbeat)"}
 
 
 # -- status ------------------------------------------------------------------------------------
@@ -183,4 +188,8 @@ def test_conditions_keep_their_transition_time():
     done = {c["type"]: c for c in build(first, rec, now=1200.0)["conditions"]}
     assert done["Running"]["status"] == "False" and done["Running"]["lastTransitionTime"] == status.iso(1200.0)
     assert done["Completed"]["status"] == "True" and not status.changed(first, copy.deepcopy(first))
+    assert done["Failed"]["status"] == "False"
+    rec.state = JobState.FAILED  # `kubectl wait --for=condition=Completed` means success, and only that
+    failed = {c["type"]: c for c in build(first, rec, now=1300.0)["conditions"]}
+    assert (failed["Completed"]["status"], failed["Failed"]["status"]) == ("False", "True")
     assert status.changed(first, build(first, rec, now=1200.0))

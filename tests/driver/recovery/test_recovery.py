@@ -72,17 +72,23 @@ def test_no_spare_waits_paused_until_a_spare_is_added(tmp_path, capsys, wait):
     job.assert_services_gone()
 
 
-def test_hang_is_localised_to_the_stopped_rank(tmp_path, capsys, wait):
-    job = launch(capsys, fast(tmp_path, "rc-hang", steps=100), "rc-hang")
+def test_hang_is_localised_and_checked_before_the_restart(tmp_path, capsys, wait, monkeypatch):
+    monkeypatch.setenv("MEGASCALE_DIAG_ALLOW_FAULTS", "1")  # executors honour injected self-check faults
+    job = launch(capsys, fast(tmp_path, "rc-hang", steps=100, selfcheck=True, selfcheck_budget_s=15), "rc-hang")
     wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
+    cli(capsys, "chaos", "rc-hang", "fail-selfcheck", "--node", "n0")
     cli(capsys, "chaos", "rc-hang", "hang", "--node", "n0", "--rank", "1")  # not the reporting rank
-    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 40, "the hang to be detected and the job restarted")
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 60, "the hang localised, checked, restarted")
     fault = rec.recovery.fault
     assert fault.kind == "hang" and fault.node == "n0", fault
     assert "[1] never entered" in fault.message, fault
+    roles = {s.node: s.role for s in rec.nodes}
+    assert roles["n0"] == "evicted" and roles["n1"] == "active" and roles["n2"] == "active", roles
     final = wait(job.ended, 60, "the job to end")
     assert final["state"] == "Succeeded", final
-    assert "hang localised to n0" in events(job)
+    log = events(job)
+    assert "hang localised to n0" in log and "self-check of n0, n1" in log and "beside" not in log
+    assert "n1 passed its self-check: kept" in log and "evicted n0 (self-check failed: gemm.flops)" in log
     job.assert_services_gone()
 
 
@@ -97,36 +103,41 @@ def test_crash_loop_fails_after_max_restarts(tmp_path, capsys, wait):
 
 
 @pytest.mark.slow
-def test_failed_selfcheck_evicts_node_and_passing_peer_is_kept(tmp_path, capsys, wait, monkeypatch):
+def test_killed_rank_restarts_at_once_and_its_node_failing_the_check_beside_it_is_evicted(tmp_path, capsys, wait,
+                                                                                            monkeypatch):
     monkeypatch.setenv("MEGASCALE_DIAG_ALLOW_FAULTS", "1")  # executors honour injected self-check faults
     job = launch(capsys, fast(tmp_path, "rc-check", steps=150, selfcheck=True, selfcheck_budget_s=15), "rc-check")
     wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
-    cli(capsys, "chaos", "rc-check", "slow", "--node", "n1")
+    cli(capsys, "chaos", "rc-check", "fail-selfcheck", "--node", "n1")
     cli(capsys, "chaos", "rc-check", "kill-rank", "--node", "n1")
-    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 90, "self-checks, eviction and restart")
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=3), 90, "restart, the check beside it, eviction, restart")
     roles = {s.node: s.role for s in rec.nodes}
     assert roles["n0"] == "active" and roles["n1"] == "evicted" and roles["n2"] == "active", roles
     log = events(job)
-    assert "self-check of n0, n1" in log and "n0 passed its self-check: kept" in log
+    assert "restarting at once; self-check of n1 beside the new ranks (gemm)" in log
+    assert "node n1 failed its self-check in the background (gemm.flops)" in log
     assert "evicted n1 (self-check failed: gemm.flops); n2 takes its place" in log
+    assert "self-check of n0" not in log  # a node-local fault: its peers are not checked
     final = wait(job.ended, 60, "the job to end")
-    assert final["state"] == "Succeeded", final
-    assert final["recoveries"][0]["diagnosis_s"] > 1
+    assert final["state"] == "Succeeded" and final["restarts"] == 1, final
+    killed, failed_check = final["recoveries"]
+    assert killed["kind"] == "rank_failed" and killed["diagnosis_s"] < 1.5, killed  # stop only: no check waited for
+    assert failed_check["kind"] == "selfcheck_failed", failed_check
     job.assert_services_gone()
 
 
 @pytest.mark.slow
 def test_crashed_node_failing_its_check_once_is_checked_again_and_kept(tmp_path, capsys, wait, monkeypatch):
     monkeypatch.setenv("MEGASCALE_DIAG_ALLOW_FAULTS", "1")
-    job = launch(capsys, fast(tmp_path, "rc-retry", steps=150, selfcheck=True, selfcheck_budget_s=15,
-                              crashed_selfcheck="retry"), "rc-retry")
+    job = launch(capsys, fast(tmp_path, "rc-retry", steps=2000, selfcheck=True, selfcheck_budget_s=15,
+                              crashed_selfcheck="retry"), "rc-retry")  # stopped once checked twice
     wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
-    cli(capsys, "chaos", "rc-retry", "slow", "--node", "n1")  # its next self-check fails, the one after passes
+    cli(capsys, "chaos", "rc-retry", "fail-selfcheck", "--node", "n1")  # its next check fails, the one after passes
     cli(capsys, "chaos", "rc-retry", "kill-rank", "--node", "n1")
-    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 90, "two self-checks of n1 and the restart")
-    assert {s.node: s.role for s in rec.nodes} == {"n0": "active", "n1": "active", "n2": "spare"}
+    wait(lambda: "n1 passed its background self-check: kept" in events(job), 90, "two self-checks of n1")
     log = events(job)
-    assert "self-check failed on n1 (gemm.flops); checking once more" in log
-    assert "n1 passed its self-check: kept" in log and "evicted" not in log
-    assert wait(job.ended, 60, "the job to end")["state"] == "Succeeded"
+    assert "background self-check failed on n1 (gemm.flops); checking once more" in log and "evicted" not in log
+    assert job.state() == JobState.RUNNING and job.store.load().restarts == 1
+    cli(capsys, "stop", "rc-retry")
+    assert wait(job.ended, 60, "the job to stop")["state"] == "Stopped"
     job.assert_services_gone()

@@ -1,0 +1,99 @@
+"""API errors as real clusters send them: throttling and server errors are retried with backoff; a refused
+pod (a ResourceQuota's 403, a 422) becomes the FailedCreatePod condition and an Event, and is created once
+the refusal lifts; no error kills the driver's backend."""
+from __future__ import annotations
+
+import pytest
+import redis
+from k8s_support import NS
+from megascale.driver.backend import NodeLaunch
+from megascale.driver.k8s import api_retry, spec
+from megascale.driver.k8s import status as job_status
+from megascale.driver.k8s.backend import K8sState, KubernetesBackend
+from megascale.driver.k8s.crd import crd
+from megascale.driver.k8s.kube import Kube, connect
+from megascale.driver.k8s.spec import PodPolicy
+from megascale.driver.state import JobRecord, NodeSlot
+
+from megascale.rendezvous.embedded import EmbeddedRedis
+
+JOB = "gpt"
+LAUNCH = NodeLaunch(job=f"{NS}.{JOB}", redis_url="redis://r:6379/0", kafka="k:9092", run_dir=spec.RUN_DIR,
+                    heartbeat_s=5)
+QUOTA = ('pods "gpt-n0" is forbidden: exceeded quota: gpu-quota, requested: nvidia.com/gpu=8, used: '
+         'nvidia.com/gpu=8, limited: nvidia.com/gpu=8')
+
+
+@pytest.fixture
+def job(apiserver):
+    api, admin_config, operator_config = apiserver
+    admin = Kube(connect(admin_config))
+    admin.apply_crd(crd())
+    admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
+        "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
+        "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 1, "parallelism": {"dp": 1},
+                 "config": {"inline": {}}}})
+    cr = api.get("trainingjobs", JOB, NS, group="megascale.io")
+    with EmbeddedRedis() as server:
+        yield api, operator_config, cr, server.url
+
+
+def codes(api, verb: str) -> list[int]:
+    return [r[-1] for r in api.requests if r[1] == verb and r[3] == "pods"]
+
+
+def test_throttling_and_server_errors_are_retried_with_backoff(job):
+    api, operator_config, cr, _ = job
+    kube = Kube(connect(operator_config))
+    api.fail("create", "pods", 429, retry_after=0)
+    api.fail("create", "pods", 503)
+    api.fail("list", "pods", 500)
+    assert kube.create_pod(NS, spec.pod(cr, "n0", LAUNCH, []))
+    assert [p["metadata"]["name"] for p in kube.list_pods(NS, "")] == ["gpt-n0"]
+    assert codes(api, "create") == [429, 503, 201] and codes(api, "list") == [500, 200]
+    # a create whose answer was lost comes back 409: the pod is this job's, so it is not created twice
+    assert kube.create_pod(NS, spec.pod(cr, "n0", LAUNCH, [])) is False
+
+
+def test_a_refused_pod_is_a_condition_and_an_event_and_is_created_once_allowed(job):
+    api, operator_config, cr, redis_url = job
+    client = redis.Redis.from_url(redis_url)
+    state = K8sState(client, LAUNCH.job)
+    state.set_uid(cr["metadata"]["uid"])
+    backend = KubernetesBackend(Kube(connect(operator_config)), NS, JOB, LAUNCH, client, PodPolicy())
+    api.fail("create", "pods", 403, message=QUOTA)
+    backend.start(["n0"])  # the driver's call: it returns
+    assert api.list("pods", NS) == [] and codes(api, "create") == [403]  # a refusal is not retried at once
+    assert state.refused() == {"n0": f"pod gpt-n0: {QUOTA}"}
+    [event] = api.list("events", NS)
+    assert (event["type"], event["reason"], event["involvedObject"]["uid"]) == (
+        "Warning", "FailedCreatePod", cr["metadata"]["uid"]) and QUOTA in event["message"]
+    rec = JobRecord(job=LAUNCH.job, config={}, run_dir="/r")
+    rec.nodes = [NodeSlot("n0", "active", 0, True)]
+    condition = job_status.pods_refused(state.refused(), rec)
+    assert condition["status"] == "True" and QUOTA in condition["message"]
+
+    backend.unsent["n0"] = 0.0  # due now (every RESEND_S otherwise); the quota has room again
+    assert "n0" in backend.list()
+    assert state.refused() == {} and job_status.pods_refused(state.refused(), rec)["status"] == "False"
+
+    api.fail("delete", "pods", 403)
+    api.fail("list", "pods", 403, times=3)
+    assert backend.list()["n0"].alive  # the last listing
+    backend.evict("n0")
+    backend.stop(["n0"], grace_s=0)
+    api.fail("create", "pods", 422, message='Pod "gpt-n1" is invalid: spec.priorityClassName: Not found')
+    backend.start(["n1"])
+    assert "spec.priorityClassName: Not found" in state.refused()["n1"]
+
+
+def test_errors_past_the_retries_leave_the_backend_running(job, monkeypatch):
+    api, operator_config, cr, redis_url = job
+    monkeypatch.setattr(api_retry, "RETRIES", 1)
+    backend = KubernetesBackend(Kube(connect(operator_config)), NS, JOB, LAUNCH, redis.Redis.from_url(redis_url),
+                                PodPolicy())
+    api.fail("get", "trainingjobs", 503, times=2)
+    backend.start(["n0"])
+    assert api.list("pods", NS) == [] and "n0" in backend.unsent
+    api.fail("list", "pods", 500, times=2)
+    assert backend.list() == {}
