@@ -199,8 +199,14 @@ def _unchanged(hint: Any, rules: Rules) -> frozenset[type]:
     return frozenset()
 
 
+def _words(hint: Any) -> frozenset[str]:
+    """The values of a Literal of strings, which the build loop takes as they are (like `_unchanged`)."""
+    args = typing.get_args(hint) if _origin(hint) is Literal else ()
+    return frozenset(args) if args and all(type(a) is str for a in args) else frozenset()
+
+
 def _dataclass(cls: type, rules: Rules) -> _Convert:
-    fields = [(name, attribute, _converter(hint, rules), required, _unchanged(hint, rules))
+    fields = [(name, attribute, _converter(hint, rules), required, _unchanged(hint, rules), _words(hint))
               for name, attribute, hint, required in _fields(cls)]
     names = frozenset(name for name, *_ in fields)
 
@@ -212,10 +218,10 @@ def _dataclass(cls: type, rules: Rules) -> _Convert:
         if rules.forbid_unknown and not names.issuperset(value):
             raise Invalid("unknown", name=str(min(set(value) - names, key=str)), known=tuple(sorted(names)))
         kwargs = {}
-        for name, attribute, convert, required, unchanged in fields:
+        for name, attribute, convert, required, unchanged, words in fields:
             if name in value:
                 given = value[name]
-                if type(given) in unchanged:
+                if type(given) in unchanged or (type(given) is str and given in words):
                     kwargs[attribute] = given
                     continue
                 try:
