@@ -400,13 +400,7 @@ class Operator:
             return rt.checkpoint
         rt.checkpoint_checked = time.monotonic()
         try:
-            from megascale.checkpoint.storage import committed_steps, open_storage
-
-            # By registered name only (open_storage never imports what a record names).
-            steps = committed_steps(open_storage(checkpoint["uri"], checkpoint.get("filesystem"),
-                                                 checkpoint.get("filesystem_options")))
-            if steps:
-                rt.checkpoint = {"step": steps[-1], "uri": checkpoint["uri"]}
+            rt.checkpoint = job_status.latest_checkpoint(checkpoint) or rt.checkpoint
         except Exception as e:  # noqa: BLE001 - storage the operator cannot read: the status says nothing new
             self._say((rt.namespace, rt.name, "checkpoint"), f"job {rt.job}: cannot list the checkpoints under "
                                                              f"{checkpoint['uri']}: {e}")
@@ -451,7 +445,4 @@ class Operator:
         if self._said.get(key) == message:
             return
         self._said[key] = message
-        if error is not None and not isinstance(error, (OSError,)):
-            log.warning("%s", message, exc_info=error)
-        else:
-            log.warning("%s", message)
+        log.warning("%s", message, exc_info=None if isinstance(error, OSError) else error)  # no trace for I/O

@@ -11,6 +11,8 @@ import math
 import time
 from typing import Optional
 
+from megascale.checkpoint.storage import committed_steps, open_storage
+
 from ..state import JobRecord, JobState, JobStatus
 from .spec import pod_name
 
@@ -117,3 +119,11 @@ def changed(old: dict, new: dict) -> bool:
         if a != b:
             return True
     return False
+
+
+def latest_checkpoint(checkpoint: dict) -> Optional[dict]:
+    """The newest committed checkpoint under a job's `checkpoint` config, as its status shows it (None: none
+    yet); raises what the storage raises. The file system is opened by registered name only."""
+    steps = committed_steps(open_storage(checkpoint["uri"], checkpoint.get("filesystem"),
+                                         checkpoint.get("filesystem_options")))
+    return {"step": steps[-1], "uri": checkpoint["uri"]} if steps else None
