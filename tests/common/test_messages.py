@@ -5,7 +5,9 @@ import json
 
 import pytest
 
+from megascale.common import typed
 from megascale.common.messages import (
+    KINDS,
     SCHEMA_VERSION,
     Ack,
     Command,
@@ -33,14 +35,17 @@ def heartbeat(**over) -> Heartbeat:
     return Heartbeat(**{**base, **over})
 
 
-@pytest.mark.parametrize("msg", [
+MESSAGES = [
     heartbeat(),
     Metric(job="j", node="n0", rank=3, incarnation=1, step=1, loss=1.0, step_time=0.1, tokens_per_s=10.0, time=2.0),
     Event(job="j", type="state", message="Pending -> Initializing", state="Initializing", detail={"a": 1}),
     Command(job="j", node="n1", seq=4, op="start", args={"ranks": [2, 3]}),
     Ack(job="j", node="n1", seq=4, op="start", ok=True, detail="started"),
     Timings(job="j", node="n1", time=3.0, incarnation=2, dropped=1, records=[TIMING]),
-])
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES)
 def test_round_trip(msg):
     raw = encode(msg)
     obj = json.loads(raw)
@@ -99,3 +104,34 @@ def test_timings_round_trip_defaults_and_kind_check():
         decode(raw.replace(json.dumps([TIMING]), "[5]"))
     with pytest.raises(WrongKind):  # the metrics topic carries both kinds: readers skip the other one
         decode(encode(batch), expect=Metric)
+
+
+CANDIDATES = [0, 7, -1, 2.5, True, None, "running", "x", [], {}, {"a": 1}, [{"rank": 0}], float("nan"), 10**30]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.kind)
+def test_fast_decode_agrees_with_the_typed_reader(msg):
+    """`decode` reads valid records with msgspec; every field set to every candidate value must give what
+    typed.read gives on the same JSON: the same object (and value types), or a refusal."""
+    kind, base = msg.kind, json.loads(encode(msg))
+    fields = [([k], v) for k, v in base.items() if k not in ("v", "kind")]
+    if kind == "heartbeat":
+        fields += [(["ranks", 0, k], v) for k, v in base["ranks"][0].items()]
+    for path, _ in fields:
+        for value in CANDIDATES:
+            obj = json.loads(json.dumps(base))
+            *parents, last = path
+            target = obj
+            for p in parents:
+                target = target[p]
+            target[last] = value
+            raw = json.dumps(obj).encode()  # NaN as the NaN token, which json.loads takes
+            try:
+                expected = repr(typed.read(KINDS[kind], json.loads(raw)))
+            except typed.Invalid:
+                expected = "refused"
+            try:
+                got = repr(decode(raw))
+            except MessageError:
+                got = "refused"
+            assert got == expected, (kind, path, value)
