@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from . import crashpoints
 from .state import JobRecord, JobStore, NodeSlot, Phase
 
 
@@ -30,6 +31,7 @@ class Commands:
             rec.waiting[slot.node] = self.store.send(slot.node, op, args(slot))
             self.store.save(rec)
             self.announce("command", f"{op} -> {slot.node}", rec, node=slot.node, seq=rec.waiting[slot.node])
+            crashpoints.reach(self.store, op)
 
     def answers(self, rec: JobRecord) -> tuple[bool, dict[str, str], list[str]]:
         """(all acknowledged, failures by node, nodes not yet acknowledged) for the awaited command."""

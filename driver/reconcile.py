@@ -23,6 +23,7 @@ from kafka.errors import KafkaError
 
 from megascale.config import ConfigError, JobConfig, from_dict
 from megascale.elastic import layout_at, resized
+from megascale.rendezvous.redis_store import drop_incarnations
 from megascale.common.messages import Event, encode, topic
 
 from . import log
@@ -193,6 +194,8 @@ class Driver:
                 return
             rec.incarnation += 1
             self.commands.await_phase(rec, Phase.START)  # saved: the incarnation is taken before any node hears of it
+            # Every rank of the earlier incarnations was stopped before this one: their rendezvous keys go.
+            drop_incarnations(self.store.r, self.job, before=rec.incarnation)
         self.commands.send_all(rec, lambda slot: self._start_args(rec, slot.index))
         done, failed, missing = self.commands.answers(rec)
         if failed:

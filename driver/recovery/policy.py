@@ -36,10 +36,12 @@ def decide(rec: JobRecord, recovery: Recovery, dead: list[str], cfg: JobConfig) 
 
 
 def evictions(rec: JobRecord, recovery: Recovery, dead: list[str], cfg: JobConfig) -> dict[str, str]:
-    """The nodes a restart evicts for spares, and why: under control.auto_recover, the dead and the failed."""
+    """The nodes a restart evicts for spares, and why: under control.auto_recover, the dead and the failed.
+    One evicted already is left out: a driver killed after saving an eviction decides again when restarted."""
     if not cfg.control.auto_recover:
         return {}
-    return {n: recovery.bad.get(n) or f"dead ({rec.slot(n).dead})" for n in sorted(set(dead) | set(recovery.bad))}
+    return {n: recovery.bad.get(n) or f"dead ({rec.slot(n).dead})" for n in sorted(set(dead) | set(recovery.bad))
+            if rec.slot(n).role != "evicted"}
 
 
 def straggler_to_evict(findings: Iterable[Finding], control: ControlConfig) -> Optional[Finding]:

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Protocol, Sequence
 from megascale.config import JobConfig
 from megascale.elastic import layout_at
 
+from .. import crashpoints
 from ..commands import Commands
 from ..pool import NodePool
 from ..state import Fault, JobRecord, JobState, JobStore, NodeSlot, Phase, Recovery
@@ -162,6 +163,7 @@ class Recoverer:
                                                           "no spare left"),
                    rec, node=node, replacement=spare.node if spare else None)
         host.store.save(rec)
+        crashpoints.reach(host.store, "evict")
 
     def resume(self, rec: JobRecord) -> Optional[str]:
         """Why a paused job cannot resume yet, or None. Under control.auto_recover its dead nodes are

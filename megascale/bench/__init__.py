@@ -16,4 +16,5 @@ BENCHMARKS = {
     "recovery": "recovery",
     "stragglers": "stragglers",
     "memory": "memory",
+    "soak": "soak",
 }

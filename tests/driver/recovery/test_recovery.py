@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megascale.driver import crashpoints
 from megascale.driver.state import JobState
 
 from control_plane_support import cli, events, fast, launch
@@ -72,13 +73,19 @@ def test_no_spare_waits_paused_until_a_spare_is_added(tmp_path, capsys, wait):
     job.assert_services_gone()
 
 
-def test_hang_is_localised_and_checked_before_the_restart(tmp_path, capsys, wait, monkeypatch):
+def test_hang_is_localised_and_checked_before_the_restart_by_a_driver_killed_in_every_phase(tmp_path, capsys, wait,
+                                                                                            monkeypatch):
+    """The driver is kill -9ed (driver/crashpoints.py) while starting the first incarnation, while stopping the
+    ranks, while self-checking (each time with one node sent the phase's command and the other not) and right
+    after the eviction: every restarted driver resumes from the job record, and the recovery ends as one."""
     monkeypatch.setenv("MEGASCALE_DIAG_ALLOW_FAULTS", "1")  # executors honour injected self-check faults
+    monkeypatch.setenv(crashpoints.ENV, "stop,diagnose,evict,start")
     job = launch(capsys, fast(tmp_path, "rc-hang", steps=100, selfcheck=True, selfcheck_budget_s=15), "rc-hang")
     wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
     cli(capsys, "chaos", "rc-hang", "fail-selfcheck", "--node", "n0")
     cli(capsys, "chaos", "rc-hang", "hang", "--node", "n0", "--rank", "1")  # not the reporting rank
-    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 60, "the hang localised, checked, restarted")
+    # 4 driver restarts, each waiting for its predecessor's lease (3 s) to lapse
+    rec = wait(job.in_state(JobState.RUNNING, incarnation=2), 120, "the hang localised, checked, restarted")
     fault = rec.recovery.fault
     assert fault.kind == "hang" and fault.node == "n0", fault
     assert "[1] never entered" in fault.message, fault
@@ -88,7 +95,10 @@ def test_hang_is_localised_and_checked_before_the_restart(tmp_path, capsys, wait
     assert final["state"] == "Succeeded", final
     log = events(job)
     assert "hang localised to n0" in log and "self-check of n0, n1" in log and "beside" not in log
-    assert "n1 passed its self-check: kept" in log and "evicted n0 (self-check failed: gemm.flops)" in log
+    assert "n1 passed its self-check: kept" in log and log.count("evicted n0 (self-check failed: gemm.flops)") == 1
+    crashed = [line.split("crash point ")[1].split()[0] for line in log.splitlines() if "crash point" in line]
+    assert crashed == ["'start'", "'stop'", "'diagnose'", "'evict'"], crashed  # `start`: the first incarnation's
+    assert final["restarts"] == 1 and len(final["recoveries"]) == 1, final
     job.assert_services_gone()
 
 

@@ -1,0 +1,373 @@
+"""`megascale bench soak [--minutes N] [--fault-interval S] [--quick]`: the main example's shape (2 nodes x 4
+GPT ranks, tp2·pp2(vpp2)·dp2, + a spare; real Redis, broker, driver, executors, keepers, checkpoints) run for N
+minutes while every fault kind is injected in turn at seeded random times, then measured the way a team running
+for weeks would: what each fault kind cost, whether anything leaks, whether steps slow down, whether recovery
+replayed exactly, and whether the job left anything behind.
+
+Faults (issue 21), one every `--fault-interval` seconds on average, each once the job runs again:
+  kill-rank, kill-executor, hang-rank (SIGSTOP), freeze-node (executor SIGSTOP), crash-mid-persist (a rank
+  killed while a checkpoint is being written), corrupt-checkpoint (the newest, then its node killed so the
+  restore reads it), kill-driver, kill-redis, restart-broker (kill -9; the supervisor restarts each), slow-rank.
+Lost time per fault: from the injection until training is back past the step it had reached, less the time those
+steps take at the median step time. `ettr` is the driver's own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import psutil
+import yaml
+from kafka import KafkaConsumer, TopicPartition
+
+import megascale.data
+from megascale.common.messages import topic
+from megascale.config import CheckpointConfig
+from megascale.driver.chaos import inject
+from megascale.driver.services import JobHandle
+from megascale.driver.state import JobState, JobStore
+
+JOB = "bench-soak"
+FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
+          "kill-driver", "kill-redis", "restart-broker", "slow-rank")
+RECOVERED_BY_RESTART = {"kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist",
+                        "corrupt-checkpoint"}  # the others must cost no restart at all
+LOSS_RTOL = 1e-5  # the recovery tests' tolerance: reference and job may use different thread counts per rank
+
+
+def job_config(root: Path, steps: int) -> dict:
+    """examples/gpt-tiny.yaml's model, layout and control defaults, on the shipped corpus, with room for restarts."""
+    corpus = Path(megascale.data.__file__).parent / "corpus" / "python_docs.jsonl"
+    return {"name": JOB,
+            "model": {"layers": 8, "hidden": 128, "heads": 4, "ffn": 512, "vocab": 512, "seq": 64, "block": "parallel",
+                      "window": 32, "tied_embeddings": True},
+            "parallelism": {"tp": 2, "pp": 2, "vpp": 2, "dp": 2, "sequence_parallel": True},
+            "batch": {"micro": 2, "global": 16},
+            "optimizer": {"name": "lamb", "lr": 0.01, "weight_decay": 0.01, "clip_grad": 1.0,
+                          "schedule": {"kind": "constant"}},
+            "data": {"source": "text", "path": str(corpus), "tokenizer": "byte"},
+            "checkpoint": {"uri": str(root / "ckpt"), "every": 20},
+            "cluster": {"nodes": 2, "ranks_per_node": 4, "spares": 1},
+            "control": {"max_restarts": 10_000},
+            "train": {"steps": steps, "run_dir": str(root / "runs"), "log_every": 1}}
+
+
+class Soak:
+    def __init__(self, root: Path, rng: random.Random):
+        self.root, self.rng = root, rng
+        self.handle = JobHandle.load(JOB)
+        self.store = JobStore.from_url(self.handle.redis_url, JOB, secrets=self.handle.job_secrets())
+        self.progress: list[tuple[float, int]] = []  # (time, step) every ~0.5 s
+        self.samples: list[dict] = []
+
+    def status(self) -> dict:
+        try:
+            return json.loads(self.store.r.get(self.store.k_status) or "{}")
+        except Exception:  # noqa: BLE001 - Redis itself may be the fault being injected
+            return {}
+
+    def step(self) -> int:
+        return self.status().get("step") or 0
+
+    def watch(self, seconds: float, sample_every: float, until: Callable[[], bool] = lambda: False) -> None:
+        """Records progress (and a leak sample every `sample_every` s) for up to `seconds` or until `until()`."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not until():
+            self.progress.append((time.time(), self.step()))
+            if not self.samples or time.time() - self.samples[-1]["time"] >= sample_every:
+                self.samples.append(self.sample())
+            time.sleep(0.5)
+
+    def running(self) -> bool:
+        status = self.status()
+        return status.get("state") == JobState.RUNNING.value and bool(status.get("step"))
+
+    def active_nodes(self) -> list[str]:
+        return [s.node for s in self.store.load().slots("active")]
+
+    # -- faults ------------------------------------------------------------------------------------------
+
+    def inject(self, kind: str) -> str:
+        node = self.rng.choice(self.active_nodes())
+        handle = self.handle = JobHandle.load(JOB)
+        if kind in ("kill-rank", "hang-rank"):
+            return inject(self.store, "kill-rank" if kind == "kill-rank" else "hang", node)
+        if kind in ("kill-executor", "freeze-node"):
+            return inject(self.store, "kill-node" if kind == "kill-executor" else "freeze-node", node)
+        if kind == "slow-rank":
+            rank = self.rng.randrange(8)
+            return inject(self.store, "slow-rank", rank=rank, factor=2.0, duration_s=20.0)
+        if kind == "crash-mid-persist":
+            return self._crash_mid_persist(node)
+        if kind == "corrupt-checkpoint":
+            done = inject(self.store, "corrupt-checkpoint", checkpoint=CheckpointConfig(uri=str(self.root / "ckpt")))
+            return f"{done}; {inject(self.store, 'kill-node', node)}"  # its restore reads storage
+        pid = {"kill-driver": handle.driver_pid, "kill-redis": handle.redis_pid,
+               "restart-broker": handle.kafka_pid}[kind]
+        os.kill(pid, signal.SIGKILL)
+        return f"{kind}: killed pid {pid}"
+
+    def _crash_mid_persist(self, node: str) -> str:
+        """Kills a rank of `node` while a step directory has shards and no manifest yet (polled every 5 ms)."""
+        ckpt, deadline = self.root / "ckpt", time.monotonic() + 120
+        seen = {d.name for d in ckpt.glob("step-*")}
+        while time.monotonic() < deadline:
+            for d in ckpt.glob("step-*"):
+                if d.name not in seen and any(d.glob("*.safetensors")) and not (d / "manifest.json").exists():
+                    return f"during the persist of {d.name}: " + inject(self.store, "kill-rank", node)
+            time.sleep(0.005)
+        return "no persist seen within 120 s: " + inject(self.store, "kill-rank", node)
+
+    # -- leak samples --------------------------------------------------------------------------------------
+
+    def processes(self) -> list[psutil.Process]:
+        pids = {self.handle.supervisor_pid, self.handle.driver_pid, self.handle.redis_pid, self.handle.kafka_pid}
+        found = {}
+        for pid in filter(None, pids):
+            try:
+                p = psutil.Process(pid)
+                found[pid] = p
+                found.update((c.pid, c) for c in p.children(recursive=True))
+            except psutil.Error:
+                continue
+        return list(found.values())
+
+    def sample(self) -> dict:
+        kinds: dict[str, dict[str, float]] = {}
+        for p in self.processes():
+            try:
+                with p.oneshot():
+                    cmdline = p.cmdline()
+                    if not cmdline:  # a zombie between its exit and its parent's wait
+                        continue
+                    kind, rss = process_kind(cmdline), p.memory_info().rss / 2**20
+                    fds, threads = p.num_fds(), p.num_threads()
+            except psutil.Error:
+                continue
+            k = kinds.setdefault(kind, {"rss_mb": 0.0, "fds": 0, "threads": 0, "count": 0})
+            k["rss_mb"] += rss
+            k["fds"] += fds
+            k["threads"] += threads
+            k["count"] += 1
+        out = {"time": time.time(), "kinds": kinds, "shm_segments": len(os.listdir("/dev/shm"))}
+        try:
+            out["redis_keys"] = self.store.r.dbsize()
+            out["redis_rss_mb"] = psutil.Process(self.handle.redis_pid).memory_info().rss / 2**20
+            _, offsets = self.store.offsets()  # the driver's, saved every second
+            ends = self._end_offsets()
+            out["heartbeat_lag"] = sum(max(0, end - offsets.get(p, 0)) for p, end in ends.items())
+        except Exception:  # noqa: BLE001 - a sample while Redis or the broker restarts
+            pass
+        return out
+
+    def _end_offsets(self) -> dict[int, int]:
+        """The heartbeat topic's end offset per partition (a fresh client: the broker may have been restarted)."""
+        consumer = KafkaConsumer(bootstrap_servers=self.handle.kafka, request_timeout_ms=5000)
+        try:
+            name = topic(JOB, "heartbeats")
+            parts = [TopicPartition(name, p) for p in consumer.partitions_for_topic(name) or ()]
+            return {tp.partition: end for tp, end in consumer.end_offsets(parts).items()}
+        finally:
+            consumer.close()
+
+
+def process_kind(cmdline: list[str]) -> str:
+    """`python -m megascale.executor.rank ...` -> "executor.rank"; a binary -> its name (redis-server, tansu)."""
+    if "-m" in cmdline[:-1]:
+        return cmdline[cmdline.index("-m") + 1].removeprefix("megascale.")
+    return Path(cmdline[0].split()[0]).name.split("-v")[0]  # "redis-server 127.0.0.1:port", "tansu-v0.6.0-..."
+
+
+def lost_seconds(progress: list[tuple[float, int]], injected: float, step_s: float) -> Optional[float]:
+    """From the injection until the step passes the highest step reached before it, less those steps' time."""
+    before = max((s for t, s in progress if t <= injected), default=0)
+    back = next(((t, s) for t, s in progress if t > injected and s > before), None)
+    if back is None:
+        return None
+    return round(max(0.0, back[0] - injected - (back[1] - before) * step_s), 2)
+
+
+def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float) -> Optional[float]:
+    start = samples[0]["time"] if samples else 0
+    points = [(s["time"] - start, v) for s in samples if s["time"] - start >= after_s
+              and (v := value(s)) is not None]
+    if len(points) < 3:
+        return None
+    t, v = np.array(points).T
+    return round(float(np.polyfit(t / 3600.0, v, 1)[0]), 2)
+
+
+def step_time_drift(metrics: list[dict], warmup: int = 5) -> list[float]:
+    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%."""
+    runs, current = [], []
+    for m in metrics:
+        if current and m["step"] != current[-1]["step"] + 1:
+            runs.append(current)
+            current = []
+        current.append(m)
+    runs.append(current)
+    drifts = []
+    for run in runs:
+        times = [m["step_time"] for m in run[warmup:]]
+        if len(times) >= 50:
+            tenth = len(times) // 10
+            drifts.append(round(statistics.median(times[-tenth:]) / statistics.median(times[:tenth]), 3))
+    return drifts
+
+
+def leftovers(root: Path, shm_before: set[str], tmp_before: set[str]) -> dict[str, int]:
+    """What of the job is still there after it ended: processes, shared memory, sockets, temp files."""
+    procs = 0
+    for p in psutil.process_iter(["cmdline"]):
+        if any(str(root) in a for a in p.info["cmdline"] or []):
+            procs += 1
+    sockets = sum(1 for c in psutil.net_connections("unix") if c.laddr and str(root) in str(c.laddr))
+    tmp = tempfile.gettempdir()
+    temp_files = len({n for n in os.listdir(tmp) if "megascale" in n} - tmp_before - {root.name})
+    return {"processes": procs, "shm_segments": len(set(os.listdir("/dev/shm")) - shm_before), "sockets": sockets,
+            "temp_files": temp_files}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run(args: argparse.Namespace) -> dict:
+    quick = bool(getattr(args, "quick", False))
+    minutes = getattr(args, "minutes", None) or (3.0 if quick else 30.0)
+    interval = getattr(args, "fault_interval", 0.0) or (30.0 if quick else 120.0)
+    if minutes <= 0 or interval <= 0:
+        raise SystemExit("megascale bench soak: --minutes and --fault-interval must be > 0")
+    rng = random.Random(21)
+    shm_before, tmp_before = set(os.listdir("/dev/shm")), {n for n in os.listdir(tempfile.gettempdir())
+                                                             if "megascale" in n}
+    with tempfile.TemporaryDirectory(prefix="megascale-bench-soak-") as tmp:
+        root = Path(tmp)
+        path = root / "job.yaml"
+        path.write_text(yaml.safe_dump(job_config(root, steps=1_000_000)))
+        env = {**os.environ, "MEGASCALE_HOME": str(root / "home")}
+        os.environ["MEGASCALE_HOME"] = env["MEGASCALE_HOME"]  # JobHandle.load reads it here
+        launched = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env,
+                                  capture_output=True, text=True, timeout=120)
+        if launched.returncode:
+            raise SystemExit(f"megascale bench soak: {(launched.stderr.strip() or 'launch failed').splitlines()[-1]}")
+        soak = Soak(root, rng)
+        injected: list[dict] = []
+        started = time.time()
+        try:
+            soak.watch(600, 30, until=lambda: soak.step() >= 10)
+            end = started + minutes * 60
+            kinds = list(FAULTS)
+            while time.time() < end:
+                soak.watch(min(rng.uniform(0.5, 1.5) * interval, max(0.0, end - time.time())),
+                           10 if quick else 30)
+                if end - time.time() < interval / 4:  # too late to see this fault's recovery
+                    break
+                soak.watch(300, 30, until=soak.running)  # the previous fault recovered
+                kind = kinds[len(injected) % len(kinds)]
+                before = len(soak.status().get("recoveries", []))
+                at = time.time()
+                injected.append({"kind": kind, "time": at, "done": soak.inject(kind), "recoveries_before": before})
+            soak.watch(300, 30, until=soak.running)
+            final_status = soak.status()
+            keys = redis_keys_by_prefix(soak.store)
+        finally:
+            soak.store.set_desired("stopped")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (JobHandle.load(JOB) or soak.handle).final:
+                time.sleep(0.5)
+        run_dir = Path(JobHandle.load(JOB).run_dir)
+        metrics = read_metrics(run_dir)
+        reference = reference_losses(root, env, max((m["step"] for m in metrics), default=0))
+        time.sleep(2)  # the supervisor's last clean-up
+        left = leftovers(root, shm_before, tmp_before)
+    result = report(soak, injected, final_status, metrics, reference, left, interval)
+    return {**result, "minutes": round((time.time() - started) / 60, 1), "redis_keys_at_end": keys}
+
+
+def redis_keys_by_prefix(store: JobStore) -> dict[str, int]:
+    """The job's Redis keys at the end, counted by their first three `:`-separated parts."""
+    counts: dict[str, int] = {}
+    for key in store.r.scan_iter(count=1000):
+        prefix = ":".join(key.decode(errors="replace").split(":")[:3])
+        counts[prefix] = counts.get(prefix, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def reference_losses(root: Path, env: dict, steps: int) -> dict[int, float]:
+    """An uninterrupted `megascale train` of the same job to `steps`."""
+    ref = root / "reference"
+    config = job_config(ref, steps)
+    config["checkpoint"] = {"uri": str(ref / "ckpt"), "every": 0}
+    path = root / "reference.yaml"
+    path.write_text(yaml.safe_dump(config))
+    subprocess.run([sys.executable, "-m", "megascale.cli", "train", str(path), "--quiet"], env=env, check=True,
+                   capture_output=True)
+    (metrics_file,) = (ref / "runs").glob("*/metrics.jsonl")
+    return {m["step"]: m["loss"] for m in map(json.loads, metrics_file.read_text().splitlines())}
+
+
+def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], reference: dict[int, float],
+           left: dict[str, int], interval: float) -> dict:
+    step_s = statistics.median(m["step_time"] for m in metrics) if metrics else 0.0
+    by_kind: dict[str, list[Optional[float]]] = {}
+    recoveries = final.get("recoveries", [])
+    ends = [f["recoveries_before"] for f in injected[1:]] + [len(recoveries)]
+    for fault, end in zip(injected, ends):
+        # a fault the driver recovered from costs what its recoveries' timelines say (fault to caught up);
+        # any other (driver, Redis, broker, slow rank) what the step progress shows
+        own = recoveries[fault["recoveries_before"]:end]
+        fault["recoveries"] = [r["kind"] for r in own]
+        lost = (round(sum(r["total_s"] for r in own), 2) if own
+                else lost_seconds(soak.progress, fault["time"], step_s))
+        fault["lost_s"] = lost
+        by_kind.setdefault(fault["kind"], []).append(lost)
+    latest = {m["step"]: m["loss"] for m in metrics}
+    mismatched = [s for s, loss in latest.items() if s in reference
+                  and abs(loss - reference[s]) > LOSS_RTOL * max(1.0, abs(reference[s]))]
+    kinds = sorted({k for s in soak.samples for k in s["kinds"]})
+    span = soak.samples[-1]["time"] - soak.samples[0]["time"] if soak.samples else 0.0
+    after = 300.0 if span >= 600 else 60.0  # slopes after the first 5 minutes (1 in a short run)
+    return {
+        "fault_interval_s": interval,
+        "faults": len(injected),
+        "recoveries": len(final.get("recoveries", [])),
+        "failed": int(final.get("state") != JobState.RUNNING.value),
+        "ettr": final.get("ettr"),
+        # not_back: faults after which training never passed its earlier step before the run ended
+        "ettr_by_fault_kind": {k: {"faults": len(v), "not_back": v.count(None),
+                                   "lost_s_mean": round(statistics.fmean(x for x in v if x is not None), 2)
+                                   if any(x is not None for x in v) else None} for k, v in sorted(by_kind.items())},
+        "steps": max(latest, default=0),
+        "step_s_median": round(step_s, 3),
+        "rss_slope_mb_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {}).get("rss_mb"),
+                                                    after) for k in kinds},
+        "fds_slope_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {}).get("fds"), after)
+                               for k in kinds},
+        "threads_slope_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {})
+                                                     .get("threads"), after) for k in kinds},
+        "shm_segments_slope_per_hour": slope_per_hour(soak.samples, lambda s: s["shm_segments"], after),
+        "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after),
+        "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after),
+        "heartbeat_lag_max": max((s["heartbeat_lag"] for s in soak.samples if "heartbeat_lag" in s), default=None),
+        "step_time_drift": step_time_drift(metrics),
+        "loss_equal_to_uninterrupted": bool(reference) and not mismatched and set(latest) <= set(reference),
+        "loss_steps_compared": len(set(latest) & set(reference)),
+        "loss_mismatched_steps": mismatched[:10],
+        "leftovers": left,
+        "injected": [{k: f[k] for k in ("kind", "done", "recoveries", "lost_s")} for f in injected],
+        "cpus": os.cpu_count(),
+        "load_1m": round(os.getloadavg()[0], 1),
+    }

@@ -1,0 +1,35 @@
+"""`megascale bench soak`'s arithmetic: lost time per fault, step-time drift per incarnation, leak slopes.
+(The soak itself runs for minutes with 8 real ranks: a command, recorded in BENCHMARKS.md, not a test.)"""
+from __future__ import annotations
+
+import pytest
+
+from megascale.bench.soak import lost_seconds, process_kind, slope_per_hour, step_time_drift
+
+
+def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
+    # 1 step/s, fault at t=10 (step 10), stalled until t=20, replays from step 6: back past 10 at t=25 (step 11)
+    progress = [(float(t), t) for t in range(11)] + [(20.0 + k, 6 + k) for k in range(8)]
+    assert lost_seconds(progress, injected=10.0, step_s=1.0) == pytest.approx(14.0)  # 15 s to gain 1 step
+    assert lost_seconds([(float(t), t) for t in range(20)], injected=10.0, step_s=1.0) == 0.0  # never slowed
+    assert lost_seconds([(0.0, 5), (11.0, 5)], injected=10.0, step_s=1.0) is None  # never back
+
+
+def test_drift_is_per_incarnation_and_ignores_short_ones():
+    steady = [{"step": s, "step_time": 1.0} for s in range(1, 101)]
+    slowing = [{"step": s, "step_time": 1.0 + (s - 41) * 0.01} for s in range(41, 141)]  # a replay from 41
+    short = [{"step": s, "step_time": 9.0} for s in range(20, 40)]
+    # the replay's medians of its last and first 9 steps after 5 of warm-up
+    assert step_time_drift(steady + slowing + short) == [1.0, pytest.approx(1.95 / 1.09, abs=0.01)]
+
+
+def test_slope_is_fitted_after_the_warm_up_in_units_per_hour():
+    samples = [{"time": 1000.0 + 60 * i, "v": 100.0 + (50.0 if i < 5 else 0.01 * i)} for i in range(30)]
+    assert slope_per_hour(samples, lambda s: s["v"], after_s=300) == pytest.approx(0.6)  # 0.01 per minute
+    assert slope_per_hour(samples[:2], lambda s: s["v"], after_s=0) is None  # too few points to fit
+
+
+def test_process_kinds_name_modules_and_binaries():
+    assert process_kind(["/venv/bin/python", "-m", "megascale.executor.rank", "spec.json"]) == "executor.rank"
+    assert process_kind(["redis-server 127.0.0.1:6379"]) == "redis-server"
+    assert process_kind(["/usr/lib/tansu-v0.6.0-510f3e2", "broker"]) == "tansu"
