@@ -47,9 +47,13 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "pytest-timeout", "ruff", "kubernetes-validate", "jsonschema", "import-linter",
-                "transformers"],  # tests only: the oracle for the llama arch and Hugging Face export/import
+                "transformers",  # tests only: the oracle for the llama arch and Hugging Face export/import
+                "cel-python",  # tests only: the oracle for the CRD's CEL transition rules
+                "megatron-core==0.16.1"],  # tests only: the peer whose step-0 loss `bench peers` must match
         # NVIDIA apex is built from source (see README); the PyPI package named apex is unrelated.
         "gpu": ["flash-attn", "megatron-core"],
+        # `megascale bench peers`: its CPU shim patches megatron-core internals of exactly this version.
+        "peers": ["megatron-core==0.16.1"],
     },
     entry_points={"console_scripts": ["megascale=megascale.cli:main"]},
 )

@@ -5,6 +5,7 @@ import argparse
 import socket
 import sys
 
+from megascale.common import netemu
 from megascale.config import ConfigError
 
 from .faults import ALLOW_ENV, PREFIX
@@ -14,6 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("diagnose", help="check nodes' network, GPUs and health; name the bad ones",
                               description="Exit status: 0 all checks pass, 1 a check failed, 2 bad input.")
     p.add_argument("--nodes", help="comma-separated node ids (local backend: all on this host); default: this host")
+    p.add_argument("--job", help="a running job on an emulated network (cluster.network: emulated): its nodes, each "
+                   "checked from its own network namespace, so all_reduce pairs cross their links")
     p.add_argument("--ranks-per-node", type=int, help="ranks (devices) per node; default: GPUs on this host, else 2")
     p.add_argument("--checks", help="comma-separated subset of health,gemm,loopback,all_to_all,all_reduce")
     p.add_argument("--interfaces", help="comma-separated interfaces for loopback; default: every up IPv4 interface")
@@ -31,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from . import DiagnosticsConfig, local_nodes, run_suite
 
     try:
-        ids = _split_ids(args.nodes) if args.nodes else [socket.gethostname().split(".")[0] or "node0"]
+        ids = _split_ids(args.nodes) if args.nodes else _job_nodes(args.job) if args.job else [
+            socket.gethostname().split(".")[0] or "node0"]
         config = DiagnosticsConfig(budget_s=args.budget_s)
         overrides = list(args.overrides)
         if args.checks:
@@ -40,9 +44,15 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"interfaces={args.interfaces}")
         config.apply_overrides(overrides)
         nodes = local_nodes(ids, args.ranks_per_node or _default_ranks())
+        store_host = "127.0.0.1"
+        if args.job:
+            net = netemu.JobNetwork(args.job)
+            for node in nodes:
+                node.netns = net.namespace(node.node_id)
+            store_host = net.host_address
         _inject(nodes, args.inject)
         log = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
-        report = run_suite(nodes, config, log=log)
+        report = run_suite(nodes, config, log=log, store_host=store_host)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return 2
@@ -51,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
             f.write(report.to_json() + "\n")
     print(report.to_json() if args.json else _table(report))
     return 0 if report.passed else 1
+
+
+def _job_nodes(job: str) -> list[str]:
+    ids = sorted(netemu.nodes(job), key=lambda n: (len(n), n))
+    if not ids:
+        raise ConfigError(f"--job={job}: no node of that job is on an emulated network now (cluster.network)")
+    return ids
 
 
 def _split_ids(text: str) -> list[str]:

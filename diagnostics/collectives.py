@@ -1,8 +1,10 @@
 """All-to-all and all-reduce timed across real torch.distributed processes (NCCL on GPU, gloo on CPU).
 
-The parent hosts a TCPStore on 127.0.0.1 (free port), starts one process per rank and collects
-each rank's timings from the store. Every collective has a timeout and the parent kills ranks
-that outlive the run's deadline, so a hung peer yields a failed result, never a hung suite.
+The parent hosts a TCPStore on 127.0.0.1 (free port), starts one process per rank and collects each
+rank's timings from the store. A rank of a node on an emulated network (`netns`) enters that
+namespace first and reaches the store at `store_host`, the root namespace's address on the bridge.
+Every collective has a timeout and the parent kills ranks that outlive the run's deadline, so a hung
+peer yields a failed result, never a hung suite.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from megascale.common.netemu import inside
+
 _PRELOAD = ["torch", "torch.distributed", "megascale.diagnostics.collectives"]
 
 
@@ -24,6 +28,7 @@ class RankSpec:
     device: int
     delay_s: float = 0.0  # injected: sleep before each collective
     hang: bool = False  # injected: never reach the first collective
+    netns: str | None = None  # the node's network namespace (an emulated network), entered before anything
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class _Job:
     backend: str
     store_port: int
     latency: bool
+    store_host: str
 
 
 @dataclass
@@ -63,7 +69,8 @@ class CollectiveResult:
 
 
 def run_collective(op: str, ranks: list[RankSpec], nbytes: int, budget_s: float, timeout_s: float,
-                   backend: str, spawn_grace_s: float, latency: bool = False) -> CollectiveResult:
+                   backend: str, spawn_grace_s: float, latency: bool = False,
+                   store_host: str = "127.0.0.1") -> CollectiveResult:
     """Time `op` over one process per RankSpec for about half of `budget_s`.
 
     Ranks get `spawn_grace_s` to start (process start-up is not the network's fault); from the
@@ -80,7 +87,7 @@ def run_collective(op: str, ranks: list[RankSpec], nbytes: int, budget_s: float,
         return CollectiveResult(False, f"TCPStore on 127.0.0.1: {e}".splitlines()[0][:300])
     window = budget_s * (0.35 if latency else 0.5)
     job = _Job(op, tuple(ranks), nbytes, window, min(timeout_s, budget_s), spawn_grace_s, backend, store.port,
-               latency)
+               latency, store_host)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # the fork server imports torch once for every run
     procs = [ctx.Process(target=_rank_main, args=(job, r), daemon=True, name=f"diag-{op}-{r}")
@@ -146,14 +153,24 @@ def _combine(job: _Job, results: list[dict | None], hung: list[int], late: list[
 
 
 def _rank_main(job: _Job, rank: int) -> None:
+    spec = job.ranks[rank]
+    if spec.netns is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every local-backend node is on this host
+        _rank_body(job, rank, "127.0.0.1")
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the node's link to the others
+    with inside(spec.netns):
+        _rank_body(job, rank, job.store_host)
+
+
+def _rank_body(job: _Job, rank: int, store_host: str) -> None:
     import torch
     import torch.distributed as dist
 
     spec = job.ranks[rank]
     timeout = datetime.timedelta(seconds=job.timeout_s)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every local-backend node is on this host
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", job.store_port, is_master=False,
+    store = dist.TCPStore(store_host, job.store_port, is_master=False,
                           timeout=datetime.timedelta(seconds=job.startup_s))
     try:
         # Rendezvous on the store first, with the start-up allowance: a peer that is slow to

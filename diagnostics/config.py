@@ -46,6 +46,8 @@ def default_thresholds() -> dict[str, Threshold]:
     return {
         "loopback.bandwidth": Threshold(min_ratio=0.5),
         "loopback.latency": Threshold(max_ratio=4.0),
+        "loopback.link_bandwidth": Threshold(min_ratio=0.5),  # an emulated node's data link (loopback.py)
+        "loopback.link_latency": Threshold(max_ratio=4.0),
         "all_to_all.bus_bandwidth": Threshold(min_ratio=0.5),
         "all_reduce.bus_bandwidth": Threshold(min_ratio=0.5),
         "all_reduce.latency": Threshold(max_ratio=4.0),
@@ -229,6 +231,7 @@ class NodeSpec:
     topology: str = LOCAL_TOR  # switch (ToR) label; all-reduce pairs stay within one label
     interfaces: tuple[str, ...] | None = None  # None = DiagnosticsConfig.interfaces
     faults: dict[str, str] = field(default_factory=dict)  # MEGASCALE_DIAG_* -> value; tests only
+    netns: str | None = None  # an emulated network's node: its all-reduce rank runs in this network namespace
 
 
 def local_nodes(node_ids: list[str], ranks_per_node: int) -> list[NodeSpec]:

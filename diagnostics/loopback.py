@@ -3,6 +3,10 @@
 On RDMA hosts with perftest installed this runs `ib_write_bw` against itself on the interface's
 device. Otherwise it is TCP to the interface's own address; Linux routes that inside the kernel,
 so it measures the host's network stack (and any qdisc on the path), not the NIC's wire.
+
+A node on an emulated network (megascale/common/netemu.py) has a wire to measure: its data link is probed
+to its far end, the data bridge's address on the host (`link_bandwidth`, `link_latency`), down or not, so a
+pulled cable or a slow link fails that node's check (the link is left out of the own-address rows).
 """
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ import struct
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import psutil
 
+from megascale.common import netemu
 from megascale.config import ConfigError
 
 from .config import DiagnosticsConfig, NodeSpec
@@ -160,39 +166,70 @@ def ib_write_bw_loopback(device: str, address: str, seconds: int, timeout_s: flo
 
 
 def check_loopback(node: NodeSpec, config: DiagnosticsConfig, faults: Faults, budget_s: float) -> list[CheckResult]:
-    rows = []
-    for name, address in interfaces(node.interfaces or config.interfaces):
-        t0 = time.perf_counter()
-        bw = CheckResult("loopback", "bandwidth", [node.node_id], name, None, "GB/s", budget_s=budget_s)
-        lat = CheckResult("loopback", "latency", [node.node_id], name, None, "us", budget_s=budget_s)
-        # An injected throttle is a TCP proxy, so a faulted node measures over TCP even on RDMA.
-        ibdev = rdma_device(name) if shutil.which("ib_write_bw") and not faults.loopback_rate else None
-        try:
-            if ibdev:
-                bw.value = ib_write_bw_loopback(ibdev, address, max(1, int(budget_s / 2)), budget_s)
-                lat.value = _tcp(address, budget_s * 0.3, config, faults)[1]
-                bw.detail, lat.detail = f"ib_write_bw -d {ibdev}", f"tcp {address} ping-pong"
-            else:
-                bw.value, lat.value = _tcp(address, budget_s, config, faults)
-                via = " via rate-limited proxy (injected)" if faults.loopback_rate else ""
-                bw.detail = lat.detail = f"tcp {address}{via}"
-            bw.value, lat.value = round(bw.value, 4), round(lat.value, 2)
-        except Exception as e:  # noqa: BLE001 - a dead interface or a stalled transfer fails this row only
-            why = f"{type(e).__name__}: {e}".splitlines()[0]
-            for row in (bw, lat):
-                row.status, row.detail = FAIL, why
-        bw.elapsed_s = lat.elapsed_s = time.perf_counter() - t0
-        rows += [bw, lat]
+    """Rows of every interface; measured from the node's network namespace when it has one (`diagnose --job`)."""
+    with netemu.inside(node.netns) if node.netns else nullcontext():
+        link = netemu.data_link_here()
+        rows = _link_rows(node, link, config, budget_s) if link else []
+        for name, address in interfaces(node.interfaces or config.interfaces):
+            if not link or address != link[0]:
+                rows += _interface_rows(node, name, address, config, faults, budget_s)
     return rows
+
+
+def _link_rows(node: NodeSpec, link: tuple[str, str, str], config: DiagnosticsConfig, budget_s: float
+               ) -> list[CheckResult]:
+    """The emulated data link, from this end to a sink on the host at its far end."""
+    t0 = time.perf_counter()
+    target = f"eth0->{link[1]}"
+    bw = CheckResult("loopback", "link_bandwidth", [node.node_id], target, None, "GB/s", budget_s=budget_s)
+    lat = CheckResult("loopback", "link_latency", [node.node_id], target, None, "us", budget_s=budget_s)
+    try:
+        with Sink(link[1], timeout_s=budget_s, netns=link[2]) as sink:
+            bandwidth, latency = tcp_loopback(sink.address, budget_s * 0.6, int(config.loopback_mb * 2**20), budget_s)
+        bw.value, lat.value = round(bandwidth, 4), round(latency, 2)
+        bw.detail = lat.detail = f"tcp {link[0]} -> {link[1]} across the node's link"
+    except Exception as e:  # noqa: BLE001 - a link that is down fails these rows only
+        why = f"the link to {link[1]} is down or stalled: {type(e).__name__}: {e}".splitlines()[0]
+        for row in (bw, lat):
+            row.status, row.detail = FAIL, why
+    bw.elapsed_s = lat.elapsed_s = time.perf_counter() - t0
+    return [bw, lat]
+
+
+def _interface_rows(node: NodeSpec, name: str, address: str, config: DiagnosticsConfig, faults: Faults,
+                    budget_s: float) -> list[CheckResult]:
+    t0 = time.perf_counter()
+    bw = CheckResult("loopback", "bandwidth", [node.node_id], name, None, "GB/s", budget_s=budget_s)
+    lat = CheckResult("loopback", "latency", [node.node_id], name, None, "us", budget_s=budget_s)
+    # An injected throttle is a TCP proxy, so a faulted node measures over TCP even on RDMA.
+    ibdev = rdma_device(name) if shutil.which("ib_write_bw") and not faults.loopback_rate else None
+    try:
+        if ibdev:
+            bw.value = ib_write_bw_loopback(ibdev, address, max(1, int(budget_s / 2)), budget_s)
+            lat.value = _tcp(address, budget_s * 0.3, config, faults)[1]
+            bw.detail, lat.detail = f"ib_write_bw -d {ibdev}", f"tcp {address} ping-pong"
+        else:
+            bw.value, lat.value = _tcp(address, budget_s, config, faults)
+            via = " via rate-limited proxy (injected)" if faults.loopback_rate else ""
+            bw.detail = lat.detail = f"tcp {address}{via}"
+        bw.value, lat.value = round(bw.value, 4), round(lat.value, 2)
+    except Exception as e:  # noqa: BLE001 - a dead interface or a stalled transfer fails this row only
+        why = f"{type(e).__name__}: {e}".splitlines()[0]
+        for row in (bw, lat):
+            row.status, row.detail = FAIL, why
+    bw.elapsed_s = lat.elapsed_s = time.perf_counter() - t0
+    return [bw, lat]
 
 
 class Sink:
     """The receiving end in its own process, so it does not share a GIL or a core with the sender."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, netns: str | None = None) -> None:
+        """`netns`: the named network namespace to listen in, if not this thread's."""
         script = Path(__file__).with_name("_sink.py")
         self.proc = subprocess.Popen([sys.executable, str(script), address, str(timeout_s)],
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=(lambda: netemu.enter(netns)) if netns else None)
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         line = self.proc.stdout.readline() if ready else ""
         if not line.strip().isdigit():

@@ -41,8 +41,9 @@ class _Clock:
 
 
 def run_suite(nodes: list[NodeSpec], config: DiagnosticsConfig | None = None,
-              log: Callable[[str], None] | None = None) -> Report:
+              log: Callable[[str], None] | None = None, store_host: str = "127.0.0.1") -> Report:
     """Run `config.checks` on `nodes` (local backend: all on this host) and return the judged report.
+    `store_host`: where ranks in the nodes' network namespaces (`NodeSpec.netns`) reach this process.
 
     Raises ConfigError for bad nodes, config or fault specs before anything runs.
     """
@@ -59,7 +60,7 @@ def run_suite(nodes: list[NodeSpec], config: DiagnosticsConfig | None = None,
     started = datetime.datetime.now(utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
     clock = _Clock(config.budget_s * len(nodes))
-    run = _Run(config, faults, clock, backend, say)
+    run = _Run(config, faults, clock, backend, say, store_host)
     for check in CHECKS:
         if check == "all_reduce" and check in config.checks:
             run.all_reduce(nodes)
@@ -71,8 +72,9 @@ def run_suite(nodes: list[NodeSpec], config: DiagnosticsConfig | None = None,
 
 class _Run:
     def __init__(self, config: DiagnosticsConfig, faults: dict[str, Faults], clock: _Clock, backend: str,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], store_host: str) -> None:
         self.config, self.faults, self.clock, self.backend, self.say = config, faults, clock, backend, say
+        self.store_host = store_host
         self.rows: list[CheckResult] = []
         self.isolation: list[IsolationResult] = []
 
@@ -215,7 +217,7 @@ class _Run:
 
     def _net_rank(self, node: NodeSpec) -> RankSpec:
         f = self.faults[node.node_id]
-        return RankSpec(node.node_id, 0, node.devices[0], f.slow_net_s, f.hang_rank == 0)
+        return RankSpec(node.node_id, 0, node.devices[0], f.slow_net_s, f.hang_rank == 0, node.netns)
 
     def _collective(self, op: str, metric: str, ranks: list[RankSpec], nbytes: int, budget: float, target: str,
                     latency: bool = False, detail: str = "") -> list[CheckResult]:
@@ -223,7 +225,7 @@ class _Run:
         nodes = list(dict.fromkeys(r.node for r in ranks))
         t0 = time.perf_counter()
         res = run_collective(op, ranks, nbytes, budget, self.config.collective_timeout_s, self.backend,
-                             self.config.spawn_grace_s, latency=latency)
+                             self.config.spawn_grace_s, latency=latency, store_host=self.store_host)
         elapsed = time.perf_counter() - t0
         bw = CheckResult(op, metric, nodes, target, None, "GB/s", elapsed_s=elapsed, budget_s=budget)
         lat = CheckResult(op, "latency", nodes, target, None, "us", elapsed_s=elapsed, budget_s=budget)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 
 @dataclass
@@ -20,6 +21,8 @@ class NodeLaunch:
     run_dir: str
     heartbeat_s: float
     env: dict[str, str] = field(default_factory=dict)
+    network: str = "loopback"  # cluster.network: `emulated` puts each local node in a network namespace
+    link_gbit: float = 2.0
 
 
 @dataclass
@@ -51,6 +54,11 @@ class Backend(ABC):
     @abstractmethod
     def log_files(self, node: str) -> list[Path]:
         """Readable logs of a node, executor first, for `megascale logs` (empty if not local files)."""
+
+    def why_not_started(self, nodes: list[str]) -> Optional[str]:
+        """Why these nodes never reported, when the backend knows better than "no heartbeat" (Kubernetes: pods a
+        gang scheduler never placed); None otherwise."""
+        return None
 
 
 def make_backend(kind: str, launch: NodeLaunch, client) -> Backend:

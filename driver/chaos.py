@@ -2,7 +2,9 @@
 
 Every injection is recorded in the job's Redis with its time, so the driver can measure detection
 latency from the real moment of the fault. The kinds that signal processes by pid need the local
-backend; `slow-rank` and `fail-selfcheck` go through Redis to the node's executor.
+backend; `slow-rank` and `fail-selfcheck` go through Redis to the node's executor, `nan-loss` through a
+file the reporting rank reads; `link-down` and `slow-link` change a node's link on an emulated network
+(`cluster.network: emulated`, megascale/common/netemu.py).
 """
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ from typing import Optional
 import psutil
 
 from megascale.checkpoint.storage import CheckpointError, committed_steps, open_storage, read_manifest, step_dir
+from megascale.common import netemu
 from megascale.common.messages import SlowRank, encode, slow_ranks_key
+from megascale.common.rankspec import RankSpec, nan_loss_order
 from megascale.config import CheckpointConfig, from_dict
 
 from .state import JobState, JobStore
 
-KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow-rank", "fail-selfcheck", "crash-loop",
-         "corrupt-checkpoint", "slow")
+KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow-rank", "nan-loss", "fail-selfcheck", "crash-loop",
+         "corrupt-checkpoint", "link-down", "slow-link", "slow")
 ALIASES = {"slow": "fail-selfcheck"}  # its old name: it never slowed anything, it fails the next self-check
 SLOW_SELFCHECK = {"MEGASCALE_DIAG_SLOW_GEMM": "1:0.2"}  # the node's second device computes at 0.2x
 # kind -> (signal, sent to a "rank" or the node's executor, what was done)
@@ -75,12 +79,16 @@ def pick_rank(store: JobStore, node: str, rank: Optional[int]) -> psutil.Process
 
 def inject(store: JobStore, kind: str, node: Optional[str] = None, rank: Optional[int] = None, count: int = 0,
            checkpoint: Optional[CheckpointConfig] = None, timeout_s: float = 300.0, factor: float = 2.0,
-           duration_s: Optional[float] = None) -> str:
+           duration_s: Optional[float] = None, gbit: Optional[float] = None) -> str:
     """Does it; returns one line saying what was done. `node` defaults to n0 (slow-rank: the rank's node)."""
     kind = ALIASES.get(kind, kind)
     if kind == "slow-rank":
         return _slow_rank(store, node, rank, factor, duration_s)
+    if kind == "nan-loss":
+        return _nan_loss(store)
     node = node or "n0"
+    if kind in ("link-down", "slow-link"):
+        return _link(store, kind, node, duration_s, gbit)
     if kind in SIGNALS:
         sig, target, done = SIGNALS[kind]
         pid = pick_rank(store, node, rank).pid if target == "rank" else executor_pid(store, node)
@@ -124,6 +132,62 @@ def _slow_rank(store: JobStore, node: Optional[str], rank: Optional[int], factor
     store.record_chaos("slow-rank", slot.node, {"rank": rank, "factor": factor, "for_s": duration_s})
     how_long = f"for {duration_s:g} s" if duration_s else "until the job ends (--factor 1 ends it)"
     return f"rank {rank} on {slot.node} computes {factor:g}x slower {how_long}"
+
+
+def _nan_loss(store: JobStore) -> str:
+    """The reporting rank's next step report carries a NaN loss, once (megascale/common/rankspec.py reads the
+    order): the driver's nan_loss path end to end. The training state itself stays finite."""
+    rec = store.load()
+    if rec is None:
+        raise ChaosError(f"job {store.job} is not in its Redis")
+    cfg = from_dict(rec.config)
+    p = cfg.parallelism
+    rank = p.tp * p.dp * (p.pp - 1)  # tp 0, dp 0 of the last stage (rank order: tp, then dp, then pp)
+    slot = next((s for s in rec.slots("active") if s.index == rank // cfg.ranks_per_node), None)
+    if slot is None:
+        raise ChaosError(f"nan-loss: no active node holds the reporting rank {rank} now")
+    # The process's command line names its first incarnation's spec (an in-process restart keeps the
+    # process); the current one is beside it, in the same node's work directory.
+    first = next(a for a in pick_rank(store, slot.node, rank).cmdline() if a.endswith(f"rank{rank}.json"))
+    spec = Path(first).parent.parent / f"incarnation-{rec.incarnation}" / f"rank{rank}.json"
+    try:
+        progress = RankSpec.load(spec).progress_path
+    except OSError:
+        raise ChaosError(f"nan-loss: rank {rank} on {slot.node} has no spec for incarnation {rec.incarnation} "
+                         f"yet") from None
+    store.record_chaos("nan-loss", slot.node, {"rank": rank})
+    nan_loss_order(progress).touch()
+    return f"rank {rank} on {slot.node} reports a NaN loss at its next step"
+
+
+def _link(store: JobStore, kind: str, node: str, duration_s: Optional[float], gbit: Optional[float]) -> str:
+    """link-down: the node's data link is cut (its veth down) for `duration_s` seconds — this call waits and
+    restores it — or until the job ends; its control link stays, so the node heartbeats on while its ranks'
+    collectives time out, and the self-check finds the link; slow-link: its data link's rate becomes `gbit`."""
+    rec = store.load()
+    if rec is None or from_dict(rec.config).cluster.network != "emulated":
+        raise ChaosError(f"{kind}: job {store.job} does not run on an emulated network (cluster.network)")
+    net = netemu.JobNetwork(store.job)
+    if net.namespace(node) not in netemu.leftovers(store.job):
+        raise ChaosError(f"{kind}: job {store.job} has no node {node!r} on its network now")
+    try:
+        if kind == "slow-link":
+            if gbit is None or gbit <= 0:
+                raise ChaosError("slow-link: --gbit must be above 0")
+            store.record_chaos(kind, node, {"gbit": gbit})
+            netemu.set_rate(net, node, gbit)
+            return f"{node}'s link runs at {gbit:g} Gbit/s each way"
+        if duration_s is not None and duration_s <= 0:
+            raise ChaosError("link-down: --for must be above 0")
+        store.record_chaos(kind, node, {"for_s": duration_s})
+        netemu.set_link(net, node, up=False)
+        if duration_s is None:
+            return f"{node}'s link is down until the job ends"
+        time.sleep(duration_s)
+        netemu.set_link(net, node, up=True)
+        return f"{node}'s link was down for {duration_s:g} s and is up again"
+    except netemu.NetworkError as e:  # the node evicted meanwhile (its namespace gone), or no root
+        raise ChaosError(f"{kind}: {e}") from None
 
 
 def _crash_loop(store: JobStore, node: str, count: int, timeout_s: float) -> str:

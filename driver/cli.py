@@ -77,7 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help="crash-loop: stop after this many kills (0 = until the job ends)")),
         (("--factor",), dict(type=float, default=2.0, help="slow-rank: times slower (default 2; 1 ends it)")),
         (("--for",), dict(dest="duration_s", type=float, metavar="S",
-                          help="slow-rank: seconds it lasts (default: until the job ends)")))
+                          help="slow-rank, link-down: seconds it lasts (default: until the job ends)")),
+        (("--gbit",), dict(type=float, help="slow-link: the node's new link rate, Gbit/s each way")))
     add("logs", "print a job's logs (driver and nodes)", _logs, job,
         (("--node",), dict(help="only this node's executor and ranks")),
         (("--follow", "-f"), dict(action="store_true", help="keep printing as the logs grow")))
@@ -333,7 +334,7 @@ def _chaos(args: argparse.Namespace) -> int:
     store, rec = _live_job(job)
     try:
         print(inject(store, kind, args.node, args.rank, args.count, from_dict(rec.config).checkpoint,
-                     factor=args.factor, duration_s=args.duration_s))
+                     factor=args.factor, duration_s=args.duration_s, gbit=args.gbit))
     except ChaosError as e:
         raise CommandError(str(e)) from None
     return 0

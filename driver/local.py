@@ -5,6 +5,9 @@ and stop nodes it did not start; (pid, start time) pairs guard against pid reuse
 believed only if it carries the job's HMAC (when the job has a key) and names a live process whose
 command line is this node's executor: whoever can write to Redis still cannot make the driver
 signal a process it did not start.
+
+With `cluster.network: emulated` each executor starts inside its node's network namespace
+(`netemu`), which the backend creates before and removes after the node.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Optional
 import psutil
 import redis
 
+from megascale.common import netemu
 from megascale.common.auth import BadRecord, env_signer
 
 from . import log
@@ -32,6 +36,7 @@ class LocalBackend(Backend):
         self.key = f"megascale:{{{launch.job}}}:local"
         self._children: dict[str, subprocess.Popen] = {}
         self.signer = env_signer()
+        self.net = netemu.JobNetwork(launch.job) if launch.network == "emulated" else None
 
     def work_dir(self, node: str) -> Path:
         return Path(self.launch.run_dir) / "nodes" / node
@@ -45,6 +50,10 @@ class LocalBackend(Backend):
                     "--heartbeat-s", str(self.launch.heartbeat_s)]
             env = {**os.environ, **self.launch.env}
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every "node" is on this host
+            if self.net is not None:
+                netemu.add_node(self.net, node, self.launch.link_gbit)
+                argv = [*self.net.exec_prefix(node), *argv]
+                env["GLOO_SOCKET_IFNAME"] = "eth0"  # the node's link; peers on the same node still meet on lo
             with open(work / "executor.log", "ab") as out:
                 # Own session: a Ctrl-C at the terminal reaches `megascale run`, which stops nodes in order.
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -89,7 +98,8 @@ class LocalBackend(Backend):
         for node, raw in self.r.hgetall(self.key).items():
             node = node.decode()
             proc = self._process(node, raw)
-            out[node] = NodeInfo(node, proc is not None, "127.0.0.1", f"pid {proc.pid}" if proc else "")
+            host = self.net.address(node) if self.net is not None else "127.0.0.1"
+            out[node] = NodeInfo(node, proc is not None, host, f"pid {proc.pid}" if proc else "")
         return out
 
     def stop(self, nodes: list[str], grace_s: float = 10.0) -> None:
@@ -115,6 +125,8 @@ class LocalBackend(Backend):
                     child.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
+            if self.net is not None:
+                netemu.remove_node(self.net, node)
 
     def evict(self, node: str) -> None:
         self.stop([node])  # nothing to cordon on one machine; its id is never reused

@@ -72,7 +72,8 @@ class Driver:
         if not self._take_lease():
             return 0
         launch = NodeLaunch(job=self.job, redis_url=self.redis_url, kafka=self.kafka, run_dir=rec.run_dir,
-                            heartbeat_s=self.cfg.control.heartbeat_s, env=self._node_env())
+                            heartbeat_s=self.cfg.control.heartbeat_s, env=self._node_env(),
+                            network=self.cfg.cluster.network, link_gbit=self.cfg.cluster.link_gbit)
         self.backend = self._backend or make_backend(self.cfg.cluster.backend, launch, self.store.r)
         self.pool = NodePool(self.backend, self.cfg)
         if not self._connect_kafka():
@@ -181,7 +182,10 @@ class Driver:
         if not missing:
             self.move(rec, JobState.INITIALIZING, "all nodes reported")
         elif time.time() - rec.entered > self.cfg.control.start_timeout_s:
-            self.move(rec, JobState.FAILED, f"node {missing[0]} did not report within "
+            # Never a partial start; a gang the scheduler never placed is no node's fault (nothing is evicted).
+            unplaced = self.backend.why_not_started(missing)
+            self.move(rec, JobState.FAILED, f"{unplaced} (start timeout {self.cfg.control.start_timeout_s:.0f} s)"
+                      if unplaced else f"node {missing[0]} did not report within "
                       f"{self.cfg.control.start_timeout_s:.0f} s: see `megascale logs {self.job} --node {missing[0]}`")
 
     def _initializing(self, rec: JobRecord, desired: str) -> None:

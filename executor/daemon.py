@@ -44,12 +44,16 @@ from . import log
 from .host import host_metrics, identity
 from megascale.common.rankspec import RankSpec
 from megascale.rank import comm_env
-from .ranks import RankGroup
+from .ranks import RankGroup, restarts_in_process
 from .selfcheck import SelfCheck, Worker, spawn
 from .throttle import SlowRanks
 
 POLL_S = 0.25
 STOP_GRACE_S = 5.0
+# For ranks to leave their incarnation (in-process restart): abandoning a step, closing the checkpointer
+# and data loader and collecting the model's garbage take ~1 s on a loaded host; a rank still inside
+# after this is blocked where no abort reaches and is stopped, its process replaced.
+LEAVE_TIMEOUT_S = 10.0
 
 
 class Executor:
@@ -198,9 +202,14 @@ class Executor:
         if self.group and self.group.incarnation == incarnation:
             return True, f"incarnation {incarnation} already started"
         self.slow.stop()
-        if self.group and self.group.alive():
-            self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         config = args["config"]
+        kept: dict = {}
+        if self.group and restarts_in_process(config):  # the same rank in the same place joins in its process
+            kept = {r: p for r, p in self.group.waiting_for_next().items()
+                    if r in args["ranks"] and p.local_rank == args["ranks"].index(r)}
+        if self.group and self.group.alive():
+            self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due,
+                            only=[p for p in self.group.procs if p.rank not in kept])
         self.stale_after_s = config.get("control", {}).get("hang_after_s")
         env = comm_env(config.get("comm", {}).get("env", {}), dict(os.environ))
         # The node's checkpoint keeper is this node's alone and ends with this executor (see checkpoint/keeper.py).
@@ -212,18 +221,23 @@ class Executor:
         for rank in args["ranks"]:  # files grow across incarnations: ship only what this one writes
             path = self._timings_path(rank)
             self._tail.offsets[path] = path.stat().st_size if path.exists() else 0
-        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env)
+        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env, kept)
         self.phase = "running"
-        return True, f"started ranks {args['ranks']} of incarnation {incarnation}"
+        joined = f" ({len(kept)} in their processes)" if kept else ""
+        return True, f"started ranks {args['ranks']} of incarnation {incarnation}{joined}"
 
     def _stop_ranks(self, args: dict) -> tuple[bool, str]:
         if args.get("selfcheck") and (self.worker is None or self.worker.proc.poll() is not None):
             self.worker = spawn(self.work_dir)  # loads while the ranks stop: the check that follows starts at once
         self.slow.stop()
-        if self.group and self.group.alive():
+        detail = "ranks stopped"
+        if self.group and self.group.in_process:
+            waiting = self.group.leave(LEAVE_TIMEOUT_S, STOP_GRACE_S, tick=self._heartbeat_if_due)
+            detail += f"; {waiting} wait in their processes for the next incarnation"
+        elif self.group and self.group.alive():
             self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
         self.phase = "idle"
-        return True, "ranks stopped"
+        return True, detail
 
     def _diagnose(self, seq: int, args: dict) -> tuple[bool, str]:
         """Self-check of this node (executor/selfcheck.py). `background`: beside its ranks, acknowledged at once,
@@ -234,7 +248,7 @@ class Executor:
         if args.get("background"):
             self.background = (seq, SelfCheck(self.node, self.work_dir, args, self._take_worker()))
             return True, "self-check running beside the ranks"
-        if self.group and self.group.alive():
+        if self.group and self.group.training():
             return False, "ranks still running: stop them before diagnosing"
         self.phase = "diagnosing"
         self._heartbeat()

@@ -134,6 +134,14 @@ class CheckpointConfig:
     # Weights a job starts from when it has no checkpoint to resume: hf:DIR, a transformers
     # save_pretrained directory whose model matches the `model` section (`megascale import`).
     init_from: Optional[str] = None
+    # Steps between in-memory snapshots, replicated to the next node, not persisted (needs uri);
+    # None = 1 if a snapshot costs <= 2% of a step, else the smallest interval that does (measured); 0 = off.
+    memory_every: Optional[int] = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ranks checkpoint at all: persisted checkpoints, a resume, or in-memory snapshots."""
+        return bool(self.every or self.resume or (self.uri and self.memory_every != 0))
 
 
 @dataclass
@@ -149,6 +157,10 @@ class ClusterConfig:
     nodes: int = 1
     ranks_per_node: Optional[int] = None  # None = world size / nodes
     spares: int = 0
+    # emulated: each node in its own network namespace, linked to the others at link_gbit (megascale/common/netemu.py)
+    network: Literal["loopback", "emulated"] = "loopback"
+    link_gbit: float = 2.0
+    link_latency_ms: float = 0.0  # not emulated (no delay qdisc on this kernel): anything but 0 is refused
 
 
 @dataclass
@@ -174,6 +186,9 @@ class ControlConfig:
     # A node lost and no spare left: pause until one reports, or shrink to the largest dp the remaining
     # nodes hold (same global batch) until a restart finds the nodes to grow back (megascale/elastic.py)
     no_spare: Literal["pause", "shrink"] = "pause"
+    # After a fault, ranks whose process is alive and well leave their incarnation and join the next one in the
+    # same process (in_process), or every rank process is replaced (process) (docs/recovery.md)
+    restart: Literal["in_process", "process"] = "in_process"
 
 
 @dataclass

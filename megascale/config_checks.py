@@ -70,6 +70,12 @@ def validate(cfg: JobConfig) -> JobConfig:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     if (cfg.checkpoint.every or cfg.checkpoint.resume) and not cfg.checkpoint.uri:
         raise ConfigError("checkpoint.uri: required when checkpoint.every > 0 or checkpoint.resume is set")
+    if cfg.checkpoint.memory_every is not None and cfg.checkpoint.memory_every < 0:
+        raise ConfigError(f"checkpoint.memory_every={cfg.checkpoint.memory_every}: must be >= 0 (0 = off; unset = "
+                          "measured)")
+    if cfg.checkpoint.memory_every and not cfg.checkpoint.uri:
+        raise ConfigError("checkpoint.uri: required when checkpoint.memory_every > 0 (snapshots are held by the "
+                          "keeper of that uri)")
     if cfg.checkpoint.init_from is not None and not cfg.checkpoint.init_from.startswith("hf:"):
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from}: expected hf:DIR "
                           "(a transformers save_pretrained directory)")
@@ -136,6 +142,10 @@ def _validate_cluster(cfg: JobConfig) -> None:
     if c.ranks_per_node is not None and c.nodes * c.ranks_per_node != world:
         raise ConfigError(f"cluster.nodes*ranks_per_node={c.nodes * c.ranks_per_node} must equal the world size "
                           f"{world} (tp*pp*dp)")
+    _positive("cluster.link_gbit", c.link_gbit)
+    if c.link_latency_ms:
+        raise ConfigError(f"cluster.link_latency_ms={c.link_latency_ms}: link delay is not emulated (this kernel has "
+                          "no netem or fq qdisc, and tbf only queues); set it to 0")
     if cfg.ranks_per_node % cfg.parallelism.tp:
         raise ConfigError(f"cluster: {cfg.ranks_per_node} ranks per node is not a multiple of parallelism.tp="
                           f"{cfg.parallelism.tp} (a TP group stays inside one node)")

@@ -27,7 +27,8 @@ RankFn = Callable[..., Any]
 
 
 def _rank_main(rank: int, layout: Layout, init_method: str, comm: CommConfig, backend: str, sequence_parallel: bool,
-               result_dir: str, flight_dir: Optional[str], parent_pid: int, fn: RankFn, args: tuple) -> None:
+               result_dir: str, flight_dir: Optional[str], parent_pid: int, place: Optional[Callable[[int], None]],
+               fn: RankFn, args: tuple) -> None:
     # A launcher killed outright (SIGTERM, SIGKILL) takes its ranks with it, and their checkpoint
     # keeper, which serves this machine's ranks while that process lives (see checkpoint/keeper.py).
     die_with_parent(parent_pid)
@@ -35,6 +36,8 @@ def _rank_main(rank: int, layout: Layout, init_method: str, comm: CommConfig, ba
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     result_path = Path(result_dir) / f"rank{rank}.pt"
     try:
+        if place is not None:
+            place(rank)
         # A forked child of a process that has run OpenMP work hangs in its first multi-threaded
         # region (libgomp is not fork-safe; reproduced with torch's cos and matmul): forked ranks
         # run single-threaded, as torch's DataLoader workers do. Spawned ranks (NCCL) are not affected.
@@ -51,9 +54,11 @@ def _rank_main(rank: int, layout: Layout, init_method: str, comm: CommConfig, ba
 
 
 def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = False, backend: str = "auto",
-              comm: Optional[CommConfig] = None, flight_dir: Optional[str] = None) -> list[Any]:
+              comm: Optional[CommConfig] = None, flight_dir: Optional[str] = None,
+              place: Optional[Callable[[int], None]] = None) -> list[Any]:
     """Runs `fn(ctx, *args)` on every rank of `layout` in its own process (started by `init_rank` with
-    `comm`, the job's communication settings); returns their results by rank.
+    `comm`, the job's communication settings); returns their results by rank. `place(rank)` runs first in
+    each rank's process (e.g. to enter its node's network namespace on an emulated network).
 
     Waits as long as the ranks run. Raises RuntimeError naming the first failed rank.
     """
@@ -65,7 +70,7 @@ def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = 
         init_method = f"file://{os.path.join(tmp, 'store')}"
         procs = [context.Process(target=_rank_main, daemon=False,
                                  args=(r, layout, init_method, comm, backend, sequence_parallel, tmp, flight_dir,
-                                       os.getpid(), fn, args))
+                                       os.getpid(), place, fn, args))
                  for r in range(layout.world_size)]
         for p in procs:
             p.start()

@@ -12,6 +12,7 @@ than leaving it blocked. Gloo has no such variables; its timeout is `comm.timeou
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -79,7 +80,37 @@ def init_rank(layout: Layout, rank: int, init_method: str, comm: CommConfig, *, 
     return ctx
 
 
-def shutdown_rank() -> None:
-    """Leaves the job's process group, if this process joined one."""
+def abort_rank() -> None:
+    """Breaks this process's communication off at once, from any thread and without its peers, so that
+    every collective blocked in it fails instead of waiting out `comm.timeout_s` (an in-process restart
+    leaves its incarnation this way). NCCL communicators are aborted. Gloo has no abort in torch 2.13
+    (its backend's `abort()` is a no-op), so its TCP connections are shut down instead, which wakes a
+    blocked collective with an error exactly as the death of this process would; the rendezvous
+    store's connections go with them (a new incarnation opens its own). Follow with `shutdown_rank`."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile
+            continue
+        with sock:  # a duplicate: closing it leaves the original descriptor to its owner
+            # Not a listening socket: gloo's listener thread ends the process (std::terminate) when its
+            # accept() fails, and a connection shut down is all a blocked collective needs to fail.
+            if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                    and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # not connected (yet)
+                    pass
+
+
+def shutdown_rank(ctx: Optional[ParallelContext] = None) -> None:
+    """Leaves the job's process group, if this process joined one, and closes `ctx`'s flight recorder."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    recorder = ctx.tp.recorder if ctx is not None else None
+    if recorder is not None:
+        recorder.close()

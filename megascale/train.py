@@ -2,6 +2,7 @@
 (logs, metrics, checkpoints) that every way of starting a rank runs."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -185,36 +186,44 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     from megascale.experiment_log import ExperimentLog, check_wandb
 
     check_wandb(cfg)  # before anything is started that would need stopping
-    log_file = logging.FileHandler(Path(run_dir) / f"rank-{ctx.rank}.log")
-    log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("megascale").addHandler(log_file)
-    logging.getLogger("megascale").setLevel(logging.INFO)
-    log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
-    eval_source = make_eval_source(cfg, ctx) if cfg.eval.every else None
-    trainer = Trainer(cfg, ctx)
-    ckpt = cfg.checkpoint
-    checkpointer = Checkpointer(cfg, ctx, checkpoint_parts(trainer)) if ckpt.every or ckpt.resume else None
-    restored = None
-    if checkpointer:
-        if on_wait is not None:
-            checkpointer.on_wait = on_wait
-        if ckpt.resume:
-            restored = checkpointer.restore()
-        if ckpt.every:
-            checkpointer.prepare()  # allocate the host buffer now, not in the first save
-    if restored is None and ckpt.init_from:  # a fresh start from pretrained weights
-        from megascale.interop import hf_dir_of, load_hf_weights
+    # Whatever was started is closed however the loop ends: an in-process restart (executor/rank.py)
+    # abandons it mid-step and trains on in the same process, which must not keep the gc frozen, a log
+    # handler, open files or a keeper connection from the incarnation it left.
+    with contextlib.ExitStack() as started:
+        log_file = logging.FileHandler(Path(run_dir) / f"rank-{ctx.rank}.log")
+        started.callback(log_file.close)
+        log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("megascale").addHandler(log_file)
+        started.callback(logging.getLogger("megascale").removeHandler, log_file)
+        logging.getLogger("megascale").setLevel(logging.INFO)
+        log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
+        eval_source = make_eval_source(cfg, ctx) if cfg.eval.every else None
+        trainer = Trainer(cfg, ctx)
+        started.callback(trainer.close)
+        ckpt = cfg.checkpoint
+        checkpointer = Checkpointer(cfg, ctx, checkpoint_parts(trainer)) if ckpt.enabled else None
+        restored = None
+        if checkpointer:
+            started.callback(checkpointer.close)
+            if on_wait is not None:
+                checkpointer.on_wait = on_wait
+            if ckpt.resume:
+                restored = checkpointer.restore()
+            if ckpt.every:
+                checkpointer.prepare()  # allocate the host buffer now, not in the first save
+        if restored is None and ckpt.init_from:  # a fresh start from pretrained weights
+            from megascale.interop import hf_dir_of, load_hf_weights
 
-        load_hf_weights(trainer.optimizer, ctx, cfg.model, hf_dir_of(ckpt.init_from))
-    if on_start is not None:
-        on_start(trainer.step_index)
-    reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
-    evaluator = Evaluator(trainer, eval_source) if eval_source else None
-    experiment = ExperimentLog(cfg, ctx.rank, ctx.device, run_dir, reporter)
-    history = []
-    metrics = open(Path(run_dir) / "metrics.jsonl", "a") if reporter else None
-    timings = open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a")
-    try:
+            load_hf_weights(trainer.optimizer, ctx, cfg.model, hf_dir_of(ckpt.init_from))
+        if on_start is not None:
+            on_start(trainer.step_index)
+        reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
+        evaluator = Evaluator(trainer, eval_source) if eval_source else None
+        experiment = started.enter_context(contextlib.closing(ExperimentLog(cfg, ctx.rank, ctx.device, run_dir,
+                                                                            reporter)))
+        history = []
+        metrics = started.enter_context(open(Path(run_dir) / "metrics.jsonl", "a")) if reporter else None
+        timings = started.enter_context(open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a"))
         while trainer.step_index < cfg.train.steps:
             stats = asdict(trainer.step())
             mfu = experiment.mfu(stats["tokens_per_s"])
@@ -241,14 +250,4 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         if checkpointer:
             checkpointer.flush()  # the last checkpoint commits before the job reports success
         trainer.finish()
-    finally:
-        if checkpointer:
-            checkpointer.close()
-        trainer.close()
-        experiment.close()
-        timings.close()
-        if metrics:
-            metrics.close()
-        logging.getLogger("megascale").removeHandler(log_file)
-        log_file.close()
     return history

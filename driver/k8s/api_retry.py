@@ -48,6 +48,14 @@ def refused(e: BaseException) -> bool:
     return isinstance(e, ApiException) and 400 <= (e.status or 0) < 500 and e.status not in (404, 408, 409, 429)
 
 
+class Refused(ApiException):
+    """A refusal (`refused`) of one object the operator writes, naming it: `kind` and `name`."""
+
+    def __init__(self, kind: str, name: str, e: ApiException):
+        super().__init__(status=e.status, reason=e.reason)
+        self.body, self.headers, self.kind, self.name = e.body, e.headers, kind, name
+
+
 def message(e: BaseException) -> str:
     """The API server's one-line message (its Status body), else what failed."""
     if isinstance(e, ApiException):

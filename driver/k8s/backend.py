@@ -7,24 +7,30 @@ that never started); every pod created afterwards carries a required node anti-a
 evicted machines (`spec.pod`), which holds even after someone uncordons one. Whether the machine is
 cordoned for everyone is the operator's call (operator.py: only after a failed self-check, within a budget).
 
+With a gang scheduler (spec.scheduling, gang.py) the job's PodGroup is created before its pods; a start
+timeout whose pods were never all placed is reported as Unschedulable (`why_not_started`), not as a node's
+fault: an unplaced pod never blames a machine.
+
 No API error ends the driver: transient ones are retried by the client (api_retry.py); a pod that still
 could not be created, or was refused (403 by a quota or Pod Security, 422), is recorded for the operator's
 FailedCreatePod condition, reported as an Event on the TrainingJob, and tried again every RESEND_S.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Optional
 
 import redis
+from kubernetes.client.exceptions import ApiException
 
 from .. import log
 from ..backend import Backend, NodeInfo, NodeLaunch
-from . import api_retry, spec
+from . import api_retry, gang, spec
 from .failures import classify, never_started
-from .kube import Kube
-from .ownership import NotOwned, owned_by
+from .kube import REQUEST_TIMEOUT_S, Kube
+from .ownership import NotOwned, controller_uid, owned_by
 
 RESEND_S = 10.0  # a pod that could not be created is tried again this often (quota freed, old pod gone)
 
@@ -128,9 +134,43 @@ class KubernetesBackend(Backend):
         except api_retry.API_ERRORS as e:
             self._unsent(nodes, f"cannot check the pod spec: {api_retry.message(e)}")
             return
+        if not self._ensure_pod_group(cr, nodes):
+            return
         avoid = self.state.evicted_hosts()
         for node in nodes:
             self._create(cr, node, avoid)
+
+    def _ensure_pod_group(self, cr: dict, nodes: list[str]) -> bool:
+        """The job's PodGroup (gang.py) before its pods, which its scheduler holds until the group exists."""
+        body = spec.pod_group(cr, self.policy)
+        if body is None:
+            return True
+        try:
+            self._create_pod_group(body)
+        except NotOwned as e:
+            self._unsent(nodes, str(e))
+            return False
+        except api_retry.API_ERRORS as e:
+            self._failed(cr, nodes, f"PodGroup {self.name}: {api_retry.message(e)}", e)
+            return False
+        return True
+
+    def _create_pod_group(self, body: dict) -> None:
+        """Created, or found already as this job's (a restarted driver); NotOwned when another owner's."""
+        args = (*body["apiVersion"].split("/"), self.namespace, gang.POD_GROUPS)
+        try:
+            self.kube.custom.create_namespaced_custom_object(*args, body, _preload_content=False,
+                                                             _request_timeout=REQUEST_TIMEOUT_S)
+            log.info("created PodGroup %s (minMember %d)", self.name, body["spec"]["minMember"])
+            return
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        existing = json.loads(self.kube.custom.get_namespaced_custom_object(
+            *args, self.name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S).data)
+        if not owned_by(existing, self.uid):
+            raise NotOwned(f"PodGroup {self.namespace}/{self.name} exists with owner UID {controller_uid(existing)}, "
+                           f"not {self.uid} (a deleted job's, waiting for the garbage collector?)")
 
     def _create(self, cr: dict, node: str, avoid: list[str]) -> None:
         name = spec.pod_name(self.name, node)
@@ -140,15 +180,22 @@ class KubernetesBackend(Backend):
             self._unsent([node], str(e))
             return
         except api_retry.API_ERRORS as e:
-            why = f"pod {name}: {api_retry.message(e)}"
-            self._unsent([node], why)
-            if api_retry.refused(e) and self.state.refused().get(node) != why:
-                self.state.set_refused(node, why)
-                self.kube.create_event(cr, "Warning", "FailedCreatePod", why)
+            self._failed(cr, [node], f"pod {name}: {api_retry.message(e)}", e)
             return
         self.unsent.pop(node, None)
         self.state.set_refused(node, None)
         log.info("started node %s (pod %s)%s", node, name, "" if created else ": it existed already")
+
+    def _failed(self, cr: dict, nodes: list[str], why: str, error: BaseException) -> None:
+        """A create that failed: tried again later; a refusal is recorded for FailedCreatePod and told once."""
+        self._unsent(nodes, why)
+        if not api_retry.refused(error):
+            return
+        refused = self.state.refused()
+        for node in nodes:
+            self.state.set_refused(node, why)
+        if any(refused.get(node) != why for node in nodes):
+            self.kube.create_event(cr, "Warning", "FailedCreatePod", why)
 
     def _unsent(self, nodes: list[str], why: str) -> None:
         log.warning("could not start %s (trying again in %.0f s): %s", ", ".join(nodes), RESEND_S, why)
@@ -165,7 +212,7 @@ class KubernetesBackend(Backend):
 
     def _pods(self) -> dict[str, dict]:
         """The job's pods by node: those whose controller is this TrainingJob (by UID), not a predecessor's."""
-        pods = self.kube.list_pods(self.namespace, f"{spec.JOB_LABEL}={self.name}")
+        pods = self.kube.job_pods(self.namespace, self.name)  # the operator's cache (caches.py)
         self._listed = {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in pods
                         if spec.NODE_LABEL in p["metadata"].get("labels", {})
                         and (not self.uid or owned_by(p, self.uid))}
@@ -226,6 +273,14 @@ class KubernetesBackend(Backend):
             return False
         found = classify(pod)
         return found is None or found.blame  # a running pod evicted (silent, straggling): the machine is suspect
+
+    def why_not_started(self, nodes: list[str]) -> Optional[str]:
+        """Unschedulable, with the scheduler's message, when these nodes' pods were never all placed."""
+        try:
+            pods = self._pods()
+        except api_retry.API_ERRORS:
+            pods = self._listed
+        return gang.never_formed(pods, nodes)
 
     def log_files(self, node: str) -> list[Path]:
         return []  # `kubectl logs <job>-<node>`: the executor's log is the pod's

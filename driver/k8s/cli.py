@@ -73,6 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     default=[a for a in os.environ.get("MEGASCALE_NODE_POOL", "").split(",") if a],
                     help="a label every machine the operator may cordon carries (repeatable; $MEGASCALE_NODE_POOL, "
                          "comma-separated); default: any machine")
+    op.add_argument("--lease", default="megascale-operator", help="the Lease the replicas elect a leader with")
+    op.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE"),
+                    help="its namespace (default: $POD_NAMESPACE, else the context's)")
+    op.add_argument("--lease-duration-s", type=int, default=15, help="others take the Lease over after this long")
+    op.add_argument("--renew-deadline-s", type=float, default=10.0,
+                    help="the leader stops its drivers when it could not renew the Lease for this long")
+    op.add_argument("--retry-period-s", type=float, default=2.0, help="renewals and attempts, this often")
     for verb, paused in (("pause", True), ("resume", False)):
         add(verb, f"{verb} a TrainingJob (spec.paused={str(paused).lower()})", _pause(paused)).add_argument(
             "job", help="TrainingJob name")
@@ -143,6 +150,7 @@ def _apply_crd(args: argparse.Namespace) -> int:
 
 def _operator(args: argparse.Namespace) -> int:
     from .kube import Kube, connect, current_namespace
+    from .leader import LeaseConfig
     from .operator import Operator
     from .spec import PodPolicy, ServiceDefaults
 
@@ -153,12 +161,18 @@ def _operator(args: argparse.Namespace) -> int:
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     namespace = None if args.all_namespaces else (args.namespace or os.environ.get("WATCH_NAMESPACE")
                                                   or current_namespace(args.kubeconfig, args.context))
+    try:
+        lease = LeaseConfig(args.lease, args.lease_namespace or current_namespace(args.kubeconfig, args.context),
+                            args.lease_duration_s, args.renew_deadline_s, args.retry_period_s)
+    except ValueError as e:
+        raise KubeCommandError(str(e)) from None
     kube = Kube(connect(args.kubeconfig, args.context))
     operator = Operator(kube, namespace, ServiceDefaults(args.redis, args.kafka), kubeconfig=args.kubeconfig,
                         tick_s=args.tick_s, status_every_s=args.status_every_s,
                         checkpoint_every_s=args.checkpoint_every_s, missing_grace_s=args.missing_grace_s,
                         driver_log=args.driver_log_dir, **({"run_dir": args.run_dir} if args.run_dir else {}),
-                        pod_policy=PodPolicy(frozenset(args.service_account), args.priority_class), node_pool=pool)
+                        pod_policy=PodPolicy(frozenset(args.service_account), args.priority_class), node_pool=pool,
+                        lease=lease)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: operator.stop())
     operator.run()

@@ -2,8 +2,9 @@
 `megascale/config.py` (`python -m megascale.driver.k8s.crd > deploy/crd.yaml`; a test keeps them equal).
 
 The schema rejects bad specs at admission: types, ranges, enums, required fields, exactly one
-config source, unknown inline config fields (kubectl's default strict field validation), and two
-CEL rules for what one field cannot say alone (the world size, TP groups inside a node).
+config source, unknown inline config fields (kubectl's default strict field validation), CEL rules
+for what one field cannot say alone (the world size, TP groups inside a node), and CEL transition rules
+(`self == oldSelf`) that make every spec field immutable but the few the operator applies live.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from megascale.checkpoint.filesystems import NAME as FILESYSTEM_NAME
 from megascale.common import typed
 from megascale.config import JobConfig
 
+from .gang import SCHEDULING
+from .hardware import CHECKPOINT_MOUNT
 from .spec import (
     ALLOW_JOBS_LABEL,
     DEVICE_RESOURCE,
@@ -99,6 +102,24 @@ def _structural(node: Any) -> Any:
 
 # -- the resource ------------------------------------------------------------------------------
 
+_DNS_SUBDOMAIN = "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+def checkpoint_volume_schema() -> dict:
+    """A claim or an inline CSI volume for checkpoints (hardware.py); no CSI Secret: jobs name Secrets only
+    through spec.secrets."""
+    csi = _obj({"driver": _str(minLength=1, maxLength=63), "fsType": _str(), "readOnly": {"type": "boolean"},
+                "volumeAttributes": {"type": "object", "additionalProperties": {"type": "string"}}},
+               required=("driver",))
+    claim = _obj({"claimName": _str(minLength=1, maxLength=253, pattern=_DNS_SUBDOMAIN),
+                  "readOnly": {"type": "boolean"}}, required=("claimName",))
+    return _obj({"mountPath": _str("where the pods mount it; checkpoint.uri is a path under it (default: it)",
+                                   default=CHECKPOINT_MOUNT, pattern="^/"),
+                 "persistentVolumeClaim": claim, "csi": csi},
+                description="a volume every pod mounts for checkpoints: exactly one of persistentVolumeClaim or csi",
+                oneOf=[{"required": ["persistentVolumeClaim"]}, {"required": ["csi"]}])
+
+
 def spec_schema() -> dict:
     policy_fields = {
         "heartbeatSeconds": ("executor heartbeat period", 0.1, 300.0),
@@ -141,7 +162,8 @@ def spec_schema() -> dict:
             oneOf=[{"required": ["inline"]}, {"required": ["configMapRef"]}]),
         "checkpoint": _obj({"uri": _str("file://, hdfs:// or s3:// location of the checkpoints", minLength=1),
                             "every": _int(0, 10**9, "steps between checkpoints; 0: none"),
-                            "keep": _int(1, 1000, "newest checkpoints kept")}),
+                            "keep": _int(1, 1000, "newest checkpoints kept"),
+                            "volume": checkpoint_volume_schema()}),
         "services": _obj({"redis": _str("redis://host:port[/db]; default: the operator's", pattern="^rediss?://"),
                           "kafka": _str("Kafka bootstrap servers host:port[,host:port]; default: the operator's",
                                         minLength=1)}),
@@ -170,6 +192,20 @@ def spec_schema() -> dict:
                                       "it failed a self-check", default=1),
         "priorityClassName": _str("the executor pods' PriorityClass; default: the operator's (--priority-class)",
                                   maxLength=253),
+        "scheduling": _str("gang scheduling: none (pod by pod), volcano or scheduler-plugins (a PodGroup of "
+                           "minMember nodes), kueue (one Kueue pod group, admitted whole from spec.queueName)",
+                           enum=list(SCHEDULING), default="none"),
+        "queueName": _str("kueue: the LocalQueue (required); volcano: the Queue", maxLength=63,
+                          pattern=_DNS_SUBDOMAIN),
+        "schedulerName": _str("the pods' scheduler; default: volcano, scheduler-plugins-scheduler, else the "
+                              "cluster's", maxLength=253, pattern=_DNS_SUBDOMAIN),
+        "hostNetwork": {"type": "boolean", "default": False,
+                        "description": "the pods share their machine's network (NCCL on the host's NICs): no "
+                                       "NetworkPolicy applies to them, and their namespace must admit privileged "
+                                       "pods"},
+        "extendedResources": {"type": "object", "additionalProperties": _int(1, 1024), "maxProperties": 16,
+                              "description": "device-plugin resources each pod requests besides deviceResource "
+                                             "(RDMA NICs: rdma/hca_shared_devices_a: 1)"},
         "nodeNotReadyGraceSeconds": _int(0, 3600, "a machine NotReady this long fails the job's nodes on it",
                                          default=NOT_READY_GRACE_S),
     }, required=("image", "nodes", "devicesPerNode", "parallelism", "config"), **{"x-kubernetes-validations": [
@@ -178,6 +214,28 @@ def spec_schema() -> dict:
         {"rule": "self.devicesPerNode % self.parallelism.tp == 0",
          "message": "spec.devicesPerNode must be a multiple of spec.parallelism.tp (a TP group stays inside a node)"},
     ]})
+
+
+# What the operator reads from the spec on every pass. Every other field is frozen at submission: the job's
+# record in Redis holds the config resolved from it, and the driver creates each pod from the spec as it is
+# then, so an edit would half apply (spares the driver never starts, pods of two images).
+LIVE_FIELDS = ("paused", "cordonBudget", "nodeNotReadyGraceSeconds")
+
+
+def freeze(spec: dict) -> dict:
+    """Transition rules on the spec: a frozen field may not change, nor (one without a default) come or go."""
+    spec = copy.deepcopy(spec)
+    for name, field in spec["properties"].items():
+        if name in LIVE_FIELDS:
+            continue
+        field.setdefault("x-kubernetes-validations", []).append({
+            "rule": "self == oldSelf", "message": f"spec.{name} cannot change once the job is submitted "
+                                                  f"(delete and re-create the TrainingJob to change it)"})
+        if name not in spec.get("required", []) and "default" not in field:
+            spec.setdefault("x-kubernetes-validations", []).append({
+                "rule": f"has(self.{name}) == has(oldSelf.{name})",
+                "message": f"spec.{name} cannot be added or removed once the job is submitted"})
+    return spec
 
 
 def status_schema() -> dict:
@@ -198,7 +256,9 @@ def status_schema() -> dict:
         "mttrSeconds": _num(0.0, 1e9, "mean time to recover: fault to training caught up, over finished recoveries"),
         "recoveries": count,
         "startTime": _str(format="date-time"), "lastSyncTime": _str(format="date-time"),
-        "evictedNodes": {"type": "array", "items": _str(), "description": "Kubernetes nodes evicted (cordoned)"},
+        "evictedNodes": {"type": "array", "items": _str(), "description": "the newest Kubernetes nodes evicted "
+                                                                          "(the job's pods avoid them; at most 32)"},
+        "evictedNodesTotal": {"type": "integer", "description": "Kubernetes nodes evicted, all told"},
         "lastCheckpoint": _obj({"step": count, "uri": _str()}),
         "nextNode": count,
         "nodes": {"type": "array", "items": node},
@@ -225,7 +285,7 @@ def crd() -> dict:
     root = _obj({
         "apiVersion": _str(), "kind": _str(),
         "metadata": _obj({"name": _str(maxLength=MAX_NAME, pattern="^[a-z]([-a-z0-9]*[a-z0-9])?$")}),
-        "spec": spec_schema(),
+        "spec": freeze(spec_schema()),
         "status": status_schema(),
     }, required=("spec",), description="A MegaScale training job: executor pods on `nodes` machines, driven to "
                                        "completion through failures by the megascale operator")

@@ -4,7 +4,8 @@ Kubernetes ends pods for reasons that have nothing to do with the machine: the s
 lower-priority pod, a drain evicts it, the kubelet evicts under memory pressure, the job outgrows its own
 memory limit, an image cannot be pulled. Each class decides two things:
 - `blame`: the job keeps its later pods off the machine (a node anti-affinity for this job only). Never a
-  cordon: only a failed self-check cordons a machine (health.cordons).
+  cordon by itself: a failed self-check or a hardware error in a rank's log cordons a machine
+  (health.cordons), and so do crashes (`Crashed`) of pods of different jobs there (crashes.py).
 - `replace`: the operator asks the driver to replace the node now, an eviction that is no restart. The
   others are left to the driver, which sees the pod end and counts a restart: a job that kills its own
   pods (OOM, a crash) runs out of restarts, not of machines.

@@ -12,9 +12,11 @@ Many failures at once are not a node fault: when more nodes fail together than t
 the operator holds back and leaves the job to the driver, rather than cordon healthy machines.
 
 Cordoning takes a machine from everyone, so a job's word is not enough: a job's image can crash its
-own pods, and its nodeSelector picks the machines they land on. The operator cordons a machine only
-when the driver evicted a node after that node failed its self-check, only within the job's node
-pool, and at most spec.cordonBudget machines per job per hour.
+own pods, and its nodeSelector picks the machines they land on. The operator cordons a machine only on
+evidence of a bad machine: the driver evicted a node after that node failed its self-check, or after
+one of its ranks logged a hardware error (an NVIDIA Xid, an uncorrectable ECC error), or pods of
+different jobs crashed there (crashes.py); only within the job's node pool, and at most
+spec.cordonBudget machines per job per hour.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from .failures import Failure, classify
 
 CORDON_WINDOW_S = 3600.0  # spec.cordonBudget counts the machines a job had cordoned within this window
 SELFCHECK_FAILED = "self-check failed"  # how driver/recovery/selfcheck.py words a failed self-check in recovery.bad
+HARDWARE_ERROR = "hardware error in its log"  # and a rank's hardware error (selfcheck.HARDWARE_ERROR)
+MACHINE_EVIDENCE = (SELFCHECK_FAILED, HARDWARE_ERROR)  # the reasons for an eviction that cordon its machine
 
 
 @dataclass
@@ -116,7 +120,7 @@ def cordons(rec: JobRecord, host_of: Callable[[str], Optional[str]], cordoned: d
     refused: dict[str, str] = {}
     for node, why in sorted((rec.recovery.bad if rec.recovery else {}).items()):
         slot, host = rec.slot(node), host_of(node)
-        if slot is None or slot.role != "evicted" or not why.startswith(SELFCHECK_FAILED) or not host \
+        if slot is None or slot.role != "evicted" or not why.startswith(MACHINE_EVIDENCE) or not host \
                 or host in cordoned or host in todo:
             continue
         labels = ((machines.get(host) or {}).get("metadata") or {}).get("labels") or {}

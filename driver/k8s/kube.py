@@ -1,29 +1,32 @@
 """The Kubernetes API as megascale uses it, through the official client: raw JSON objects (the same
 dicts the manifests are written as), 404 as None, 409 on create as "already there" once the object is
 read back and found to be the same owner's (ownership.py), transient errors retried (api_retry.py),
-Events, and an informer (list, then watch from the list's resourceVersion) for the operator's caches.
+lists read in pages, writes fenced by the operator's Lease (leader.py), and Events. (The operator's caches:
+informer.py.)
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from typing import Callable, Optional
 
-from kubernetes import client, config, watch
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from .. import log
 from . import api_retry
+from .caches import PodCache
+from .leader import Fence
 from .ownership import Leftover, NotOwned, controller_uid
 from .spec import GROUP, JOB_LABEL, MANAGED_BY, PLURAL, VERSION, SpecError
 
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 REQUEST_TIMEOUT_S = 15
+PAGE = 500  # objects per list request, as client-go's pager asks: no single answer grows with the cluster
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -62,10 +65,13 @@ def reason(e: ApiException) -> str:
 
 
 class Kube:
-    """The calls the operator, the backend and the CLI make; objects in and out are plain dicts."""
+    """The calls the operator, the backend and the CLI make; objects in and out are plain dicts.
 
-    def __init__(self, api: client.ApiClient):
-        self.api = api
+    `fence`: the operator's and its drivers' (leader.py): every write checks it first and raises NotLeader
+    when the Lease is no longer held. `pods`: the operator's pod cache, which `job_pods` reads (a driver)."""
+
+    def __init__(self, api: client.ApiClient, fence: Optional[Fence] = None, pods: Optional[PodCache] = None):
+        self.api, self.fence, self.pod_cache = api, fence, pods
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.networking = client.NetworkingV1Api(api)
@@ -74,6 +80,28 @@ class Kube:
     @staticmethod
     def _data(resp) -> dict:
         return json.loads(resp.data)
+
+    def fenced(self, fence: Fence) -> "Kube":
+        """The same client, its writes fenced."""
+        return Kube(self.api, fence, self.pod_cache)
+
+    def _write(self, what: str) -> None:
+        if self.fence is not None:
+            self.fence.check(what)
+
+    def _list(self, call: Callable, *args, **kwargs) -> dict:
+        """Every page of a list (limit + continue); the items of all, the resourceVersion of the first."""
+        listing, token = None, None
+        while True:
+            page = self._data(call(*args, **kwargs, limit=PAGE, **({"_continue": token} if token else {}),
+                                   _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S))
+            if listing is None:
+                listing = page
+            else:
+                listing["items"] += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return listing
 
     def _get(self, call: Callable, *args) -> Optional[dict]:
         try:
@@ -89,19 +117,26 @@ class Kube:
         return self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
 
     def list_jobs(self, namespace: Optional[str]) -> list[dict]:
-        if namespace:
-            found = self._get(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
-        else:
-            found = self._get(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
-        return (found or {}).get("items", [])
+        try:
+            if namespace:
+                found = self._list(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL)
+            else:
+                found = self._list(self.custom.list_cluster_custom_object, GROUP, VERSION, PLURAL)
+        except ApiException as e:
+            if e.status == 404:  # no CRD
+                return []
+            raise
+        return found.get("items", [])
 
     def patch_job(self, namespace: str, name: str, patch: dict) -> dict:
         """A JSON merge patch of the resource, as `kubectl patch --type merge` sends."""
+        self._write("patching a TrainingJob")
         return self._data(self.custom.patch_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, name, patch, _content_type=MERGE, _preload_content=False,
             _request_timeout=REQUEST_TIMEOUT_S))
 
     def patch_job_status(self, namespace: str, name: str, status: dict) -> dict:
+        self._write(f"writing the status of {namespace}/{name}")
         return self._data(self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _content_type=MERGE, _preload_content=False,
             _request_timeout=REQUEST_TIMEOUT_S))
@@ -112,6 +147,7 @@ class Kube:
         """False when the pod exists already with the same controller (a restarted driver creating it again,
         or a retried create whose first answer was lost); NotOwned when it is another owner's (a deleted job's
         pod of the same name, still terminating)."""
+        self._write(f"creating pod {body['metadata']['name']}")
         for _ in range(2):  # a pod deleted between the 409 and the read: create it again, once
             if self._create(self.core.create_namespaced_pod, namespace, body):
                 return True
@@ -126,11 +162,13 @@ class Kube:
         return False
 
     def list_pods(self, namespace: str, selector: str, field_selector: Optional[str] = None) -> list[dict]:
-        found = self._data(self.core.list_namespaced_pod(namespace, label_selector=selector,
-                                                         **({"field_selector": field_selector} if field_selector
-                                                            else {}),
-                                                         _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S))
-        return found.get("items", [])
+        return self._list(self.core.list_namespaced_pod, namespace, label_selector=selector,
+                          **({"field_selector": field_selector} if field_selector else {})).get("items", [])
+
+    def job_pods(self, namespace: str, name: str) -> list[dict]:
+        """A job's pods (by its label; not yet by owner) from the operator's cache (caches.py), else listed."""
+        cached = self.pod_cache.read() if self.pod_cache is not None else None
+        return cached if cached is not None else self.list_pods(namespace, f"{JOB_LABEL}={name}")
 
     def read_pod(self, namespace: str, name: str) -> Optional[dict]:
         """The pod as stored now, not as a watch cache has it (a list without resourceVersion is a quorum
@@ -140,6 +178,7 @@ class Kube:
 
     def delete_pod(self, namespace: str, name: str, grace_s: Optional[float] = None, uid: Optional[str] = None) -> bool:
         """False when it was gone already, or (`uid` given) is another pod of that name now."""
+        self._write(f"deleting pod {name}")
         try:
             grace = None if grace_s is None else int(grace_s)
             body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)) if uid else None
@@ -154,7 +193,17 @@ class Kube:
     def apply_owned(self, kind: str, namespace: str, body: dict) -> None:
         """Creates a job's Service, ConfigMap, Secret or NetworkPolicy; one already there is merge-patched if its
         controller is this job (by UID), left for the garbage collector if it was a deleted job's of the same name
-        (Leftover: try again later), and refused if it is anybody else's (SpecError)."""
+        (Leftover: try again later), and refused if it is anybody else's (SpecError). A refusal by the API server
+        (403: RBAC, a quota; 422) raises api_retry.Refused, naming the object."""
+        self._write(f"writing {kind} {body['metadata']['name']}")
+        try:
+            self._apply_owned(kind, namespace, body)
+        except ApiException as e:
+            if api_retry.refused(e):
+                raise api_retry.Refused(kind, body["metadata"]["name"], e) from e
+            raise
+
+    def _apply_owned(self, kind: str, namespace: str, body: dict) -> None:
         create, read, patch = {
             "Service": (self.core.create_namespaced_service, self.core.read_namespaced_service,
                         self.core.patch_namespaced_service),
@@ -206,6 +255,11 @@ class Kube:
         """A core/v1 Event on `involved` (a TrainingJob), as `kubectl describe` and `get events` show them.
         Best effort: an Event that cannot be written is logged, never fatal."""
         meta = involved["metadata"]
+        try:
+            self._write(f"recording the Event {reason}")
+        except ApiException as e:
+            log.warning("%s", api_retry.message(e))
+            return
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         body = {"apiVersion": "v1", "kind": "Event", "type": kind, "reason": reason, "message": message[:1024],
                 "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
@@ -228,6 +282,7 @@ class Kube:
         in an annotation for whoever repairs the machine. No taint: a taint patch replaces the node's list."""
         from .spec import EVICTED_ANNOTATION
 
+        self._write(f"cordoning {node}")
         patch = {"metadata": {"annotations": {EVICTED_ANNOTATION: why}}, "spec": {"unschedulable": True}}
         self.core.patch_node(node, patch, _content_type=STRATEGIC, _preload_content=False,
                              _request_timeout=REQUEST_TIMEOUT_S)
@@ -235,6 +290,7 @@ class Kube:
     # -- the CustomResourceDefinition (people with cluster rights: `megascale kube apply-crd`) ---------
 
     def apply_crd(self, body: dict) -> str:
+        self._write("applying the CRD")
         name = body["metadata"]["name"]
         existing = self._get(self.extensions.read_custom_resource_definition, name)
         if existing is None:
@@ -245,105 +301,3 @@ class Kube:
         self.extensions.replace_custom_resource_definition(name, body, _preload_content=False,
                                                            _request_timeout=REQUEST_TIMEOUT_S)
         return "replaced"
-
-
-class Informer:
-    """A cache of one kind of object, kept by list + watch; `on_change(type, obj)` after every change.
-
-    Relists when the watch fails (410 Gone: its resourceVersion expired; or the connection broke),
-    so a missed event is repaired by the next list; `synced` is set after the first one.
-    """
-
-    def __init__(self, what: str, list_call: Callable, on_change: Callable[[str, dict], None],
-                 watch_timeout_s: int = 300, **kwargs):
-        self.what, self.list_call, self.on_change, self.kwargs = what, list_call, on_change, kwargs
-        self.watch_timeout_s = watch_timeout_s
-        self.items: dict[tuple[str, str], dict] = {}
-        self.synced = threading.Event()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._watch: Optional[watch.Watch] = None
-        self._thread = threading.Thread(target=self._run, name=f"informer-{what}", daemon=True)
-
-    def start(self) -> "Informer":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
-        self._thread.join(timeout=5)
-
-    def snapshot(self) -> list[dict]:
-        with self._lock:
-            return list(self.items.values())
-
-    @staticmethod
-    def key(obj: dict) -> tuple[str, str]:
-        meta = obj.get("metadata") or {}
-        return meta.get("namespace", ""), meta.get("name", "")
-
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                version = self._list()
-                failures = 0
-                while not self._stop.is_set():
-                    version = self._watch_from(version)
-            except Exception as e:  # noqa: BLE001 - any failure: relist after a pause, as client-go does
-                if self._stop.is_set():
-                    return
-                if isinstance(e, ApiException) and e.status == 410:
-                    continue  # our resourceVersion was compacted away: relist at once, nothing is wrong
-                failures += 1
-                if failures == 1 or failures % 30 == 0:
-                    log.warning("watch of %s failed (%s); relisting", self.what,
-                                reason(e) if isinstance(e, ApiException) else type(e).__name__)
-                self._stop.wait(min(10.0, 0.5 * failures))
-
-    def _list(self) -> str:
-        listing = json.loads(self.list_call(**self.kwargs, _preload_content=False,
-                                            _request_timeout=REQUEST_TIMEOUT_S).data)
-        fresh = {self.key(obj): obj for obj in listing.get("items", [])}
-        with self._lock:
-            gone = [obj for key, obj in self.items.items() if key not in fresh]
-            self.items = fresh
-        for obj in gone:
-            self.on_change("DELETED", obj)
-        for obj in fresh.values():
-            self.on_change("MODIFIED", obj)
-        self.synced.set()
-        return listing["metadata"]["resourceVersion"]
-
-    def _watch_from(self, version: str) -> str:
-        """Watches until the server ends the stream (its timeout); returns the last resourceVersion seen."""
-        self._watch = watch.Watch()
-        # Bookmarks keep `version` fresh on quiet collections, so a re-watch rarely meets 410 Gone.
-        for event in self._watch.stream(self.list_call, **self.kwargs, resource_version=version,
-                                        allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s,
-                                        _request_timeout=self.watch_timeout_s + REQUEST_TIMEOUT_S):
-            if self._stop.is_set():
-                break
-            kind, obj = event["type"], event["raw_object"]
-            if kind == "BOOKMARK":
-                version = obj["metadata"]["resourceVersion"]
-                continue
-            with self._lock:
-                if kind == "DELETED":
-                    self.items.pop(self.key(obj), None)
-                else:
-                    self.items[self.key(obj)] = obj
-            version = obj["metadata"]["resourceVersion"]
-            self.on_change(kind, obj)
-        return version
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return predicate()

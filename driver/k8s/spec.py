@@ -22,6 +22,7 @@ from megascale.config import RUN_DIR as RUN_DIR_PLACEHOLDER
 from megascale.config import ConfigError, JobConfig, from_dict
 
 from ..backend import NodeLaunch
+from . import gang, hardware
 
 GROUP, VERSION, KIND, PLURAL = "megascale.io", "v1alpha1", "TrainingJob", "trainingjobs"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -165,6 +166,8 @@ def job_config(cr: dict, base: dict, defaults: ServiceDefaults, run_dir: str = R
     checkpoint = spec.get("checkpoint") or {}
     raw["checkpoint"] = {**_section(raw, "checkpoint", source),
                          **{k: checkpoint[k] for k in ("uri", "every", "keep") if k in checkpoint}}
+    if hardware.checkpoint_volume(spec) is not None:  # the volume is where checkpoints go, whatever the config says
+        raw["checkpoint"]["uri"] = hardware.checkpoint_uri(spec)
     raw["services"] = dict(zip(("redis", "kafka"), services(spec, defaults)))
     raw["train"] = {**_section(raw, "train", source), "run_dir": run_dir}
     if RUN_DIR_PLACEHOLDER in str(raw["checkpoint"].get("uri") or ""):
@@ -289,10 +292,28 @@ def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str], policy:
     for key in ("nodeSelector", "tolerations", "serviceAccountName"):
         if spec.get(key):
             body[key] = copy.deepcopy(spec[key])
-    if spec.get("priorityClassName") or policy.priority_class:
-        body["priorityClassName"] = spec.get("priorityClassName") or policy.priority_class
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(cr, pod_name(name, node), node),
+    if priority := priority_class(spec, policy):
+        body["priorityClassName"] = priority
+    hardware.apply(spec, body, container)  # devices beyond the GPUs, host network, checkpoint volume
+    made = {"apiVersion": "v1", "kind": "Pod", "metadata": object_metadata(cr, pod_name(name, node), node),
             "spec": body}
+    gang.mark_pod(cr, made)  # scheduler, group, Kueue's gate
+    return made
+
+
+def priority_class(spec: dict, policy: PodPolicy) -> Optional[str]:
+    return spec.get("priorityClassName") or policy.priority_class
+
+
+def pod_group(cr: dict, policy: PodPolicy = PodPolicy()) -> Optional[dict]:
+    """The job's PodGroup for its gang scheduler (gang.py), owned by the job; None with spec.scheduling none/kueue."""
+    return gang.pod_group(cr, object_metadata(cr, cr["metadata"]["name"]), priority_class(cr["spec"], policy))
+
+
+def mount_paths() -> dict[str, str]:
+    """What every executor pod mounts where (a checkpoint volume must keep clear of these)."""
+    return {WORK_DIR: "work directory", RUN_DIR: "run directory", "/dev/shm": "shared memory",
+            CONFIG_DIR: "job config", CREDENTIALS_DIR: "credentials", SECRETS_DIR: "secrets"}
 
 
 def _container_security(spec: dict) -> dict:
@@ -311,7 +332,9 @@ def without_login(url: str) -> str:
 def check_pod_spec(spec: dict, policy: PodPolicy, secret_labels: Callable[[str], Optional[dict]]) -> None:
     """Refuses (SpecError, naming the field) what would let a job's pods reach beyond the job: env values
     from Secrets or ConfigMaps, Secrets their namespace did not label for jobs, a service account the
-    operator's configuration does not list. `secret_labels(name)` is a Secret's labels, None if absent."""
+    operator's configuration does not list; and what the schema cannot check alone (gang.py, hardware.py: a
+    Kueue job without a queue, extended resources, /dev/shm beyond the memory limit, a checkpoint volume the
+    uri misses). `secret_labels(name)` is a Secret's labels, None if absent."""
     for i, var in enumerate(spec.get("env") or []):
         source = sorted(set(var.get("valueFrom") or {}) - {"fieldRef"})
         if source:
@@ -324,6 +347,8 @@ def check_pod_spec(spec: dict, policy: PodPolicy, secret_labels: Callable[[str],
         if found.get(ALLOW_JOBS_LABEL) != "true":
             raise SpecError(f"spec.secrets[{i}].name={secret['name']!r}: the Secret is not labelled "
                             f"{ALLOW_JOBS_LABEL}=\"true\" (its namespace's admins decide which Secrets jobs may mount)")
+    if why := gang.refusal(spec) or hardware.refusal(spec, mount_paths()):
+        raise SpecError(why)
     account = spec.get("serviceAccountName")
     if account and account not in policy.service_accounts:
         allowed = ", ".join(sorted(policy.service_accounts)) or "none"

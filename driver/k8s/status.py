@@ -4,6 +4,10 @@ evicted, the newest checkpoint, and conditions for `kubectl wait`.
 ETTR and MTTR are the driver's own (MegaScale §6: steps x ideal step time / wall time; fault to
 caught-up), so `megascale status` and `kubectl get trainingjobs` agree. What the driver does not
 know after a restart (its last step, loss, ETTR) keeps the value the status held.
+
+The status stays small whatever the job's history (etcd refuses objects over 1.5 MiB): it lists the nodes
+in service and the last HISTORY evicted nodes and machines, with totals for the rest (the job's record in
+Redis keeps every node).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ TERMINAL_PHASES = {JobState.SUCCEEDED.value, JobState.FAILED.value, JobState.STO
 # Changes to these are written at once; progress (step, loss, ETTR) at most every few seconds.
 SIGNIFICANT = ("phase", "reason", "incarnation", "restarts", "paused", "evictedNodes", "nodes", "lastCheckpoint",
                "observedGeneration", "conditions", "nextNode", "recoveries")
+HISTORY = 32  # evicted nodes, and evicted machines, the status lists (the newest)
 PROGRESS = {"step": "step", "totalSteps": "total_steps", "loss": "loss", "tokensPerSecond": "tokens_per_s",
             "ettr": "ettr", "mttrSeconds": "mttr_s"}
 
@@ -32,15 +37,16 @@ def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generati
           evicted_hosts: list[str], hosts: dict[str, str], checkpoint: Optional[dict], extra_conditions: list[dict],
           name: str, now: float) -> dict:
     """The next status, from the previous one (start time, last known progress, condition times)."""
+    # A node's machine stays on record after its pod is gone: which machine did the evicted n1 use?
+    hosts = {**{n["id"]: n.get("host") for n in previous.get("nodes") or []}, **{n: h for n, h in hosts.items() if h}}
     status: dict = {
         "phase": rec.state.value, "reason": rec.reason, "paused": paused, "incarnation": rec.incarnation,
         "restarts": rec.restarts, "recoveries": len(rec.recoveries), "nextNode": rec.next_node,
         "startTime": previous.get("startTime") or iso(now), "lastSyncTime": iso(now),
-        # Never fewer than before: the job's Redis may lose its keys (a flush) between two reads of a pass.
-        "evictedNodes": sorted({*(previous.get("evictedNodes") or []), *evicted_hosts}),
-        # A node's machine stays on record after its pod is gone: which machine did the evicted n1 use?
-        "nodes": _nodes(rec, live, {**{n["id"]: n.get("host") for n in previous.get("nodes") or []},
-                                    **{n: h for n, h in hosts.items() if h}}, name),
+        # Never fewer than before but by age: the job's Redis may lose its keys (a flush) between two reads of a pass.
+        "evictedNodes": _newest(previous.get("evictedNodes") or [], rec, hosts, evicted_hosts),
+        "evictedNodesTotal": max(len(set(evicted_hosts)), previous.get("evictedNodesTotal") or 0),
+        "nodes": _nodes(rec, live, hosts, name),
     }
     if generation is not None:
         status["observedGeneration"] = generation
@@ -58,10 +64,23 @@ def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generati
     return status
 
 
+def _newest(previous: list[str], rec: JobRecord, hosts: dict[str, str], evicted_hosts: list[str]) -> list[str]:
+    """The last HISTORY evicted machines: those listed before, then those of the nodes evicted last (in the
+    order of their eviction; Redis keeps the machines as a set), then, while there is room, the others."""
+    avoided = set(evicted_hosts)
+    recent = [h for slot in rec.nodes if slot.role == "evicted" and (h := hosts.get(slot.node)) in avoided]
+    found = list(dict.fromkeys([*previous, *recent[-HISTORY:]]))
+    room = sorted(avoided - set(found))[:max(0, HISTORY - len(found))]
+    return [*found, *room][-HISTORY:]
+
+
 def _nodes(rec: JobRecord, live: Optional[JobStatus], hosts: dict[str, str], name: str) -> list[dict]:
+    """The nodes in service, and the last HISTORY evicted ones."""
     alive = {n.node: n.alive for n in live.nodes} if live else {}
+    evicted = [slot.node for slot in rec.nodes if slot.role == "evicted"]
+    shown = {slot.node for slot in rec.nodes if slot.role != "evicted"} | set(evicted[-HISTORY:])
     out = []
-    for slot in rec.nodes:
+    for slot in (s for s in rec.nodes if s.node in shown):
         node = {"id": slot.node, "role": slot.role, "pod": pod_name(name, slot.node),
                 "alive": alive.get(slot.node, False)}
         if slot.index is not None:

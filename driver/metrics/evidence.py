@@ -69,11 +69,15 @@ class Window:
         return math.exp(self.shift)
 
     def onset(self) -> int:
-        """The change point: the step from which the sum of x - usual - shift / 2 to the window's end is
-        largest (the points from there on run above halfway to the shift, those before it below)."""
+        """The change point: the step from which the sum of x - usual - half to the window's end is
+        largest (the points from there on run above halfway to the slow level, those before it below).
+        The slow level: the median of the window's slower half, or the shift if larger (a window judged
+        by its fast steps shifts less than its slow steps run)."""
+        xs = sorted(p.x for p in self.points)
+        half = max(self.shift, statistics.median(xs[len(xs) // 2:]) - self.usual) / 2
         total, best, at = 0.0, -math.inf, self.points[-1].step
         for p in reversed(self.points):
-            total += p.x - self.usual - self.shift / 2
+            total += p.x - self.usual - half
             if total > best:
                 best, at = total, p.step
         return at
@@ -81,12 +85,14 @@ class Window:
 
 class Series:
     """One judged series: a rank against its stage peers, or a stage against the other stages.
-    `bias_cap`: the usual level counts within +-log(bias_cap) (None: as learned)."""
+    `bias_cap`: the usual level counts within +-log(bias_cap) (None: as learned); with `at_par`, within
+    0 .. log(bias_cap) (a series usually faster than its peers is judged against them)."""
 
     def __init__(self, history: int, longest: int, trim: float, bias_cap: Optional[float],
-                 keep: Optional[tuple[float, float]] = None, sizes: Sequence[int] = ()):
+                 keep: Optional[tuple[float, float]] = None, sizes: Sequence[int] = (), at_par: bool = False):
         self.history, self.trim, self.keep, self.sizes = history, trim, keep, tuple(sizes)
         self.cap = math.log(bias_cap) if bias_cap else None
+        self.at_par = at_par
         self.points: deque[Point] = deque(maxlen=history + longest)
 
     def add(self, point: Point) -> None:
@@ -97,7 +103,7 @@ class Series:
             point.fast = {w: fast_mean(recent[-w:], self.keep) for w in self.sizes if len(recent) >= w}
 
     def _capped(self, b: float) -> float:
-        return b if self.cap is None else min(self.cap, max(-self.cap, b))
+        return b if self.cap is None else min(self.cap, max(0.0 if self.at_par else -self.cap, b))
 
     def usual(self, before: int = 0) -> tuple[float, int]:
         """(usual x, points it was learned from): the median of the unflagged points before the last `before`."""
@@ -136,6 +142,11 @@ class Series:
         middle = statistics.median(xs) if xs else 0.0
         return [x - middle for x in xs]
 
+    def differences(self, last: int) -> list[float]:
+        """Its last points' steps from the point before, over sqrt(2): the per-step noise of each."""
+        xs = [p.x for p in list(self.points)[-last:]]
+        return [(b - a) / math.sqrt(2) for a, b in zip(xs, xs[1:])]
+
 
 def against_each_other(evidence: Iterable[dict[int, Window]], floor: float) -> None:
     """z of each rank's window: its shift over the larger of its standard error and the spread of all
@@ -156,6 +167,22 @@ def against_each_other(evidence: Iterable[dict[int, Window]], floor: float) -> N
             w.z = w.shift / max(pooled if w.fast else w.se, spread, floor / math.sqrt(w.size))
 
 
+def pooled(evidence: Iterable[dict[int, Window]], floor: float) -> None:
+    """z of each window: its shift over the median, across the series, of their windows' learned spread
+    (one series' few earlier windows say little alone), or over its own standard error before that is
+    learned. For series that mirror each other (two DP replicas, each against the other), so cannot be
+    compared with each other's shifts."""
+    by_size: dict[int, list[Window]] = defaultdict(list)
+    for windows in evidence:
+        for size, win in windows.items():
+            by_size[size].append(win)
+    for wins in by_size.values():
+        learned = [w.se for w in wins if w.fast]
+        spread = statistics.median(learned) if learned else 0.0
+        for w in wins:
+            w.z = w.shift / max(spread if w.fast else w.se, floor / math.sqrt(w.size))
+
+
 def on_its_own(evidence: Iterable[dict[int, Window]]) -> None:
     """z of each window against its standard error alone (stages: too few to compare with each other)."""
     for windows in evidence:
@@ -163,9 +190,11 @@ def on_its_own(evidence: Iterable[dict[int, Window]]) -> None:
             win.z = win.shift / win.se
 
 
-def noise(series: Iterable[Series], floor: float, last: int = 16) -> float:
-    """The per-step noise of x: robust, pooled over the series; inf while too little is seen."""
-    pooled = [abs(r) for s in series for r in s.residuals(last)]
+def noise(series: Iterable[Series], floor: float, last: int = 16, mirrored: bool = False) -> float:
+    """The per-step noise of x: robust, pooled over the series; inf while too little is seen. `mirrored`:
+    series that all move when one shifts (DP replicas, each against the others): from the differences of
+    successive points, which a shift moves once."""
+    pooled = [abs(r) for s in series for r in (s.differences(last) if mirrored else s.residuals(last))]
     if len(pooled) < 8:
         return math.inf
     return max(floor, MAD_SIGMA * statistics.median(pooled))

@@ -1,36 +1,47 @@
-"""Straggler detection: which rank, or which pipeline stage, is persistently slower than it should be.
+"""Straggler detection: which rank, TP group or pipeline stage is persistently slower than it should be.
 
 Every figure is compared only with work of the same kind:
 
-  a rank   with the other ranks of its pipeline stage (TP shards and DP replicas do equal work): at each
-           step x = log(value / the stage peers' median). Its usual x, learned from its own recent
-           history and counted within +-10% (`bias_cap`), absorbs a small constant difference (the rank
-           that logs); a rank slow from its first step still shows by what exceeds that.
+  a TP group  (stages with several DP replicas) with the stage's other TP groups, which do equal work: at
+           each step y = log(its forward + backward time / the other groups' median of it). Its members
+           wait for each other inside forward and backward, so that time is the group's pace, set by its
+           slowest member; dividing by the other replicas at the same step cancels what slows the whole
+           job at once (a busy host). Its usual y, learned from its own recent history, counts within
+           0 .. +10% (`bias_cap`): a group usually a little slower keeps that, one usually faster is judged
+           against its peers (back at their pace it slows nothing). Who holds a slow group back: the member
+           whose compute runs above its TP peers' by at least half the group's slowdown (they wait for it);
+           none stands out, the whole group.
+  a rank   (a stage that is one TP group, and the `data` segment) with the other ranks of its stage: at
+           each step x = log(value / the stage peers' median), against its usual x (within +-10%).
   a stage  with its own recent history, never with another stage's time (stages differ in work:
            embedding, loss head, uneven layers): at each step y = log(stage median / the other stages'
-           median), against its usual y. Dividing by the other stages at the same step cancels what slows
-           the whole job at once (a busy host, a checkpoint); the usual y is its share of the work.
+           median), against its usual y, its share of the work.
 
-A rank is judged over windows of its last 4, 6, 8 and 10 judged steps by its fast steps, against the
-same statistic over its earlier windows (evidence.py); a stage over 8, 16 and 32, by the window's trimmed
-mean against its usual value. The excess is its slowdown; over its standard error (learned from the
-earlier windows, or the noise measured on this job now, or the spread of all ranks' windows over the same
-steps if larger) a z-score, whose one-sided normal probability is the finding's `confidence`. A finding
-needs z >= `report_z` in a window that also shows that window's slowdown (`windows`: the shorter the
-evidence, the bigger the slowdown it must show) and an excess of at least `min_excess_s` and `min_share`
-of the step; it stays while some window keeps z >= `keep_z` (no flicker at the threshold). The first
-`warmup_steps` steps of each incarnation (allocator and cache warm-up, a restore) are not judged, and a
-stage only once `min_history` steps have taught it its usual share. docs/observability.md has the
-measured precision and recall.
+A group or rank is judged over windows of its last 4, 6, 8 and 10 judged steps by its fast steps (the
+window's 10th to 60th percentile: host noise comes in bursts, a slowed one has no fast step left),
+against the same statistic over its earlier windows (evidence.py); a stage over 8, 16 and 32, by the
+window's trimmed mean against its usual value. The excess is its slowdown; over its standard error (the spread of
+the earlier windows, pooled over the groups; or the noise measured on this job now, or for ranks the spread
+of all ranks' windows over the same steps if larger) a z-score, whose one-sided normal probability is the
+finding's `confidence`. A finding needs z >= `report_z` in a window that also shows that window's slowdown
+(`windows`: the shorter the evidence, the bigger the slowdown it must show; on a host whose noise slows a
+healthy group by 1.2-1.3x for a few steps now and then, 6 steps must show 1.6x, 8 steps 1.25x) and an excess of at least
+`min_excess_s` and `min_share` of the step; it stays while some window keeps z >= `keep_z` (no flicker at
+the threshold). The first `warmup_steps` steps of each incarnation (allocator and cache warm-up, a restore)
+are not judged, and a stage only once `min_history` steps have taught it its usual share.
+docs/observability.md has the measured precision and recall.
 
 Where it shows (`dimension`):
-  tp  slower than its own TP peers too: one device (a GPU, its link) on that node;
-  dp  level with its TP peers, all slower than the stage's other DP replicas: its TP group (a node);
+  tp  one rank holding its TP group back (or slower than its stage peers, in a stage without DP
+      replicas): one device (a GPU, its link) on that node;
+  dp  a whole TP group (with tp 1: the rank) slower than the stage's other DP replicas, no member
+      standing out: its node;
   pp  a whole stage slower than its own usual pace against the other stages: the nodes of that stage.
 
 Segments: `compute` is the step minus the time spent waiting on peers (total - exposed_tp -
-exposed_pp - exposed_dp); a straggler's peers wait for it, so waiting-inclusive segments would
-inflate theirs too. `data` (the batch load) holds no communication and is compared as it is.
+exposed_pp - exposed_dp); a straggler's peers wait for it, so waiting-inclusive figures would inflate
+theirs too, except within its TP group, which is judged as one. `data` (the batch load) holds no
+communication and is compared as it is.
 """
 from __future__ import annotations
 
@@ -42,7 +53,8 @@ from typing import Iterable, Optional, Sequence
 
 from megascale.common.messages import Event
 
-from .evidence import Point, Series, Window, against_each_other, confidence, noise, on_its_own, trimmed_mean
+from .evidence import (Point, Series, Window, against_each_other, confidence, noise, on_its_own, pooled,
+                       trimmed_mean)
 
 DIMENSIONS = ("tp", "dp", "pp")  # narrowest first
 DEFAULT_SEGMENTS = ("compute", "data")
@@ -60,7 +72,7 @@ class Thresholds:
     # (judged steps, the slowdown it takes over that many): the shorter the evidence, the bigger the
     # slowdown it must show, so a burst of host noise on one rank for a few steps is not a straggler.
     # Up to 10 steps: a finding within 10 steps of the onset is the goal (megascale bench stragglers).
-    windows: tuple[tuple[int, float], ...] = ((4, 3.0), (6, 1.25), (8, 1.2), (10, 1.15))
+    windows: tuple[tuple[int, float], ...] = ((4, 3.0), (6, 1.6), (8, 1.25), (10, 1.2))
     pp_windows: tuple[tuple[int, float], ...] = ((8, 1.6), (16, 1.4), (32, 1.3))  # a stage's, against its usual pace
     warmup_steps: int = 5  # of each incarnation, not judged
     history: int = 32  # judged steps a usual value is learned from
@@ -70,6 +82,7 @@ class Thresholds:
     trim: float = 0.2  # of each end of a window, dropped before the mean: one hiccup is not evidence
     keep: tuple[float, float] = (0.1, 0.6)  # a rank's window is judged from its 10th to 60th percentile step
     # (evidence.py: host noise only adds time; the fastest steps are those its peers were slow in)
+    group_keep: tuple[float, float] = (0.1, 0.6)  # a TP group's window, judged by its fast steps as a rank's
 
 
 @dataclass
@@ -122,6 +135,29 @@ def _median_without(values: list[float], i: int) -> Optional[float]:
     if len(values) > _EXACT_PEERS:
         return statistics.median(values)
     return statistics.median(values[:i] + values[i + 1:])
+
+
+def group_pace(ranks: dict[int, dict]) -> dict[tuple[int, int], tuple[float, float, list[int]]]:
+    """Per TP group (pp, dp) of a stage with other TP groups, at one step: (its forward + backward time, the
+    stage's other TP groups' median of it, its ranks). A TP group's members wait for each other inside
+    forward and backward, so that time is the group's pace, set by its slowest member."""
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for rank, r in sorted(ranks.items()):
+        groups[(r["pp"], r["dp"])].append(rank)
+    pace = {key: statistics.median(_work(ranks[k]) for k in members) for key, members in groups.items()}
+    out = {}
+    for (pp, dp), members in groups.items():
+        others = [v for (p, d), v in pace.items() if p == pp and d != dp]
+        if others:
+            out[(pp, dp)] = (pace[(pp, dp)], statistics.median(others), members)
+    return out
+
+
+def _work(rec: dict) -> float:
+    """Forward + backward seconds (TP waits included), or the compute segment where those are not timed."""
+    seg = rec["segments"]
+    work = seg.get("forward", 0.0) + seg.get("backward", 0.0)
+    return work if work > 0 else segment_value(rec, "compute")
 
 
 def peer_ratios(ranks: dict[int, dict], segment: str) -> dict[int, tuple[float, float, Optional[float]]]:
@@ -212,14 +248,17 @@ class StragglerMonitor:
         th = self.thresholds
         for segment in self.segments:
             self._add_points(step, ranks, segment, total)
-            for kind, sizes in (("rank", th.windows), ("stage", th.pp_windows)):
-                chosen = {key: s for key, s in self._series.items()
-                          if key[:2] == (segment, kind) and s.points and s.points[-1].step == step}
-                sigma = noise(chosen.values(), th.noise_floor)
-                evidence = {key: s.windows([w for w, _ in sizes], sigma, 0 if kind == "rank" else th.min_history)
+            fresh = {key: s for key, s in self._series.items()
+                     if key[0] == segment and s.points and s.points[-1].step == step}
+            for kind, sizes in (("rank", th.windows), ("group", th.windows), ("stage", th.pp_windows)):
+                chosen = {key: s for key, s in fresh.items() if key[1] == kind}
+                sigma = noise(chosen.values(), th.noise_floor, mirrored=kind == "group")
+                evidence = {key: s.windows([w for w, _ in sizes], sigma, th.min_history if kind == "stage" else 0)
                             for key, s in chosen.items()}
                 if kind == "rank":
                     against_each_other(evidence.values(), th.noise_floor)
+                elif kind == "group":
+                    pooled(evidence.values(), th.noise_floor)
                 else:
                     on_its_own(evidence.values())
                 for key, series in chosen.items():
@@ -234,6 +273,13 @@ class StragglerMonitor:
                 series = self._series.setdefault((segment, "rank", rank), Series(
                     th.history, longest, th.trim, th.bias_cap, th.keep, [w for w, _ in th.windows]))
                 series.add(Point(step, value, ref, math.log(value / ref), x_tp, total))
+        if segment == "compute":
+            for unit, (value, ref, _) in group_pace(ranks).items():
+                if value > 0 and ref > 0:
+                    series = self._series.setdefault((segment, "group", unit), Series(
+                        th.history, longest, th.trim, th.bias_cap, th.group_keep, [w for w, _ in th.windows],
+                        at_par=True))
+                    series.add(Point(step, value, ref, math.log(value / ref), None, total))
         stages: dict[int, list[float]] = defaultdict(list)
         for r in ranks.values():
             stages[r["pp"]].append(segment_value(r, segment))
@@ -249,13 +295,15 @@ class StragglerMonitor:
                 ranks: dict[int, dict]) -> None:
         th = self.thresholds
         segment, kind, unit = key
-        need = dict(th.windows if kind == "rank" else th.pp_windows)
+        need = dict(th.pp_windows if kind == "stage" else th.windows)
         ranked = sorted(windows.values(), key=lambda w: -w.z)
         big = [w for w in ranked if w.slowdown >= need[w.size] and w.excess_s >= th.min_excess_s
                and w.excess_s >= th.min_share * statistics.median(p.total for p in w.points)]
         sure = [w for w in big if w.z >= th.report_z]
         found = self.current.get(key)
-        if sure:  # its evidence: the sure window that shows the most slowdown
+        if sure and found is None and self._standing_elsewhere(key, ranks):
+            pass  # the same straggler, already reported as its TP group's or as the rank itself
+        elif sure:  # its evidence: the sure window that shows the most slowdown
             self._record(key, series, max(sure, key=lambda w: w.slowdown), sigma, ranks, found)
         elif found is not None and ranked and ranked[0].z >= th.keep_z and ranked[0].shift > 0:
             # Fading, not gone: it keeps the evidence it was last reported on, with today's confidence.
@@ -267,12 +315,24 @@ class StragglerMonitor:
         if key in self.current:
             series.points[-1].flagged = True
 
+    def _standing_elsewhere(self, key: tuple, ranks: dict[int, dict]) -> bool:
+        """A rank of a TP group that stands reported, or a TP group with a member that does."""
+        segment, kind, unit = key
+        if kind == "rank":
+            return (segment, "group", (ranks[unit]["pp"], ranks[unit]["dp"])) in self.current
+        if kind == "group":
+            return any((segment, "rank", rank) in self.current
+                       for rank, r in ranks.items() if (r["pp"], r["dp"]) == unit)
+        return False
+
     def _record(self, key: tuple, series: Series, j: Window, sigma: float, ranks: dict[int, dict],
                 found: Optional[Finding]) -> None:
         segment, kind, unit = key
         if kind == "stage":
             covered = sorted(rank for rank, r in ranks.items() if r["pp"] == unit)
             dimension = "pp"
+        elif kind == "group":
+            covered, dimension = self._slow_members(segment, unit, ranks, j)
         else:
             covered, dimension = [unit], self._rank_dimension(unit, ranks, j)
         first = ranks[covered[0]]
@@ -294,6 +354,27 @@ class StragglerMonitor:
             vars(found).update({**vars(finding), "since": found.since, "onset": found.onset, "trail": found.trail})
             finding = found
         finding.trail = (finding.trail + [finding.confidence])[-_TRAIL:]
+
+    def _slow_members(self, segment: str, unit: tuple[int, int], ranks: dict[int, dict], j: Window
+                      ) -> tuple[list[int], str]:
+        """Which of a slow TP group's ranks hold it back: the one computing the most against its TP peers
+        over the window (the others wait for it), when it stands out from the rest by at least half the
+        group's slowdown (tp: a device); otherwise the whole group (dp: its node; tp 1: the rank is its
+        TP group)."""
+        members = sorted(rank for rank, r in ranks.items() if (r["pp"], r["dp"]) == unit)
+        if len(members) == 1:
+            return members, "dp"
+        steps = {p.step for p in j.points}
+        against_tp = {}
+        for rank in members:
+            series = self._series.get((segment, "rank", rank))
+            xs = [p.x_tp for p in series.points if p.step in steps and p.x_tp is not None] if series else []
+            against_tp[rank] = trimmed_mean(xs, self.thresholds.trim) if xs else 0.0
+        slowest = max(members, key=lambda rank: against_tp[rank])
+        rest = statistics.median(against_tp[rank] for rank in members if rank != slowest)
+        if against_tp[slowest] - rest >= math.log(j.slowdown) / 2:
+            return [slowest], "tp"
+        return members, "dp"
 
     def _rank_dimension(self, rank: int, ranks: dict[int, dict], j: Window) -> str:
         """tp when at least half its slowdown shows against its own TP peers too (or its stage is one TP
@@ -354,6 +435,9 @@ def describe(f: Finding) -> str:
         return (f"straggler: stage pp{f.pp} (ranks {f.ranks[0]}-{f.ranks[-1]} on {f.node_name}"
                 f"{'' if len(f.nodes) == 1 else ' and others'}): {f.segment} {f.slowdown:.2f}x its usual pace "
                 f"against the other stages ({ms}; {evidence})")
+    if len(f.ranks) > 1:
+        return (f"straggler: TP group pp{f.pp} dp{f.dp} (ranks {f.ranks[0]}-{f.ranks[-1]} on {f.node_name}): "
+                f"{f.segment} {f.slowdown:.2f}x the stage's other DP replicas ({ms}; {evidence})")
     return (f"straggler: rank {f.rank} on {f.node_name} (tp{f.tp} pp{f.pp} dp{f.dp}): {f.segment} "
             f"{f.slowdown:.2f}x its {f.dimension} peers ({ms}; {evidence})")
 

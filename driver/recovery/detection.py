@@ -17,14 +17,16 @@ from ..metrics.prometheus import JobMetrics
 from ..metrics.stragglers import Finding, StragglerMonitor, describe
 from ..state import Fault, JobRecord
 from .policy import straggler_to_evict
+from .selfcheck import HARDWARE_ERROR, hardware
 
 # Error lines that mean the rank is broken even before it exits (a hung NCCL watchdog may never exit).
-FATAL_ERRORS = {"nccl_timeout", "cuda_error", "oom"}
+FATAL_ERRORS = {"hardware_error", "nccl_timeout", "cuda_error", "oom"}
 
 
 def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[[str], float],
                   cfg: JobConfig, exited: frozenset[str] | set[str] = frozenset()) -> list[Fault]:
-    """Faults among the active nodes of the current incarnation, most serious first.
+    """Faults among the active nodes of the current incarnation, most serious first: a hardware error in a
+    rank's log before the rest (its peers' failures are its doing).
 
     `exited`: nodes whose executor the backend saw end (a process, a pod), dead before their heartbeats lapse.
     """
@@ -41,12 +43,20 @@ def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[
         if view is None or view.hb.incarnation != rec.incarnation:
             continue
         hb = view.hb
+        broken = next((e for e in hb.errors if e.kind == "hardware_error"), None)
+        if broken is not None:  # before its rank's exit: the line names the machine, the exit code does not
+            faults.append(Fault("rank_error", slot.node, f"rank {broken.rank} on {slot.node} logged a hardware "
+                                f"error: {broken.line[:160]}",
+                                {"rank": broken.rank, "error": broken.kind, "at": broken.time,
+                                 "why": f"{HARDWARE_ERROR}: rank {broken.rank}: {broken.line[:200]}"}))
+            continue
         for r in hb.ranks:
             if r.state == "failed":
                 errors = [e.line for e in hb.errors if e.rank == r.rank]
                 why = f": {errors[-1]}" if errors else ""
-                faults.append(Fault("rank_failed", slot.node, f"rank {r.rank} on {slot.node} exited with code "
-                                    f"{r.exit_code}{why}", {"rank": r.rank, "exit_code": r.exit_code}))
+                how = f"exited with code {r.exit_code}" if r.exit_code is not None else "failed (its process waits)"
+                faults.append(Fault("rank_failed", slot.node, f"rank {r.rank} on {slot.node} {how}{why}",
+                                    {"rank": r.rank, "exit_code": r.exit_code}))
                 break
             if r.state == "stopped":
                 faults.append(Fault("ranks_stopped", slot.node, f"rank {r.rank} on {slot.node} was stopped "
@@ -61,7 +71,7 @@ def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[
             elif hb.loss is not None and not math.isfinite(hb.loss):
                 faults.append(Fault("nan_loss", slot.node, f"loss is {hb.loss} at step {hb.step} on {slot.node}",
                                     {"step": hb.step, "at": hb.time}))
-    return faults
+    return sorted(faults, key=lambda f: not hardware(f))
 
 
 def silence_limit(node: str, views: dict[str, NodeView], cfg: JobConfig) -> float:

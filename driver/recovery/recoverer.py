@@ -125,6 +125,8 @@ class Recoverer:
             recovery.bad.setdefault(fault.node, "straggler")  # a passing self-check does not make it fast
         if fault.kind == "selfcheck_failed" and fault.node:
             recovery.bad.setdefault(fault.node, fault.detail["why"])  # checked already, beside the ranks
+        if selfcheck.hardware(fault) and fault.node and host.cfg.control.auto_recover:
+            recovery.bad.setdefault(fault.node, fault.detail["why"])  # its log names its machine bad: no check
         decision, reason = policy.decide(rec, recovery, dead, host.cfg)
         host.event("fault", f"decision: {decision}: {reason}", rec, node=fault.node, decision=decision,
                    dead=dead, failed_selfcheck=recovery.bad)

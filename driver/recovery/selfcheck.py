@@ -7,6 +7,15 @@ ranks, for a fault with a known node-local cause (a rank killed by a signal such
 OOM, a NaN loss): its node only; the restart does not wait, and a node that fails opens a recovery of its own
 (`selfcheck_failed`) that evicts it. The ranks' start-up (process start, imports, rendezvous, restore) takes
 longer than the check, so the check mostly shares the node with ranks that do not compute yet.
+
+Which checks: `control.selfcheck_checks` (GEMM by default). A fault checked before the restart may also be a
+link (a pulled cable times the ranks' collectives out): on an emulated network, where each node has a data link
+to probe, its check adds `loopback`, which measures that link to its far end (diagnostics/loopback.py), so the
+node whose link is down or slow fails and is evicted while its peers pass.
+
+No check at all for a hardware error in a rank's log (an NVIDIA Xid, an uncorrectable ECC error: executor/ranks.py
+`hardware_error`): the line is the evidence, the node is bad (`recovery.bad`, worded HARDWARE_ERROR, which the
+Kubernetes operator cordons on as it does on a failed self-check) and evicted by the restart.
 """
 from __future__ import annotations
 
@@ -21,10 +30,19 @@ from ..state import BackgroundCheck, Fault, JobRecord, JobStore, Recovery
 from .localization import group_members, peers_of
 
 
+HARDWARE_ERROR = "hardware error in its log"  # how recovery.bad words a node whose rank logged one
+
+
+def hardware(fault: Fault) -> bool:
+    """A rank logged a hardware error (detection.py): its node is bad without a check."""
+    return fault.kind == "rank_error" and fault.detail.get("error") == "hardware_error"
+
+
 def wanted(fault: Fault, cfg: JobConfig) -> bool:
     """Whether this recovery may self-check a node (before the restart or beside it)."""
     ctl = cfg.control
-    return ctl.auto_recover and ctl.selfcheck and fault.kind not in ("evicted", "selfcheck_failed")
+    return ctl.auto_recover and ctl.selfcheck and fault.kind not in ("evicted", "selfcheck_failed") \
+        and not hardware(fault)
 
 
 def targets(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[str], bool]) -> list[str]:
@@ -43,9 +61,12 @@ def targets(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[
                   if not rec.slot(n).dead and not gone(n) and n not in recovery.bad)  # type: ignore[union-attr]
 
 
-def request(cfg: JobConfig, inject: dict) -> dict:
-    """The `diagnose` command's arguments; `inject`: self-check faults a chaos test planted on the node."""
+def request(cfg: JobConfig, inject: dict, link_suspect: bool = True) -> dict:
+    """The `diagnose` command's arguments; `inject`: self-check faults a chaos test planted on the node;
+    `link_suspect`: the fault may be a link's (not a node-local one), so an emulated node's link is probed."""
     checks = [c.strip() for c in cfg.control.selfcheck_checks.split(",") if c.strip()]
+    if link_suspect and cfg.cluster.network == "emulated" and "loopback" not in checks:
+        checks.append("loopback")
     return {"budget_s": cfg.control.selfcheck_budget_s, "checks": checks, "ranks_per_node": cfg.ranks_per_node,
             "inject": inject}
 
@@ -109,7 +130,7 @@ def in_background(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Call
 
 def send_background(rec: JobRecord, cfg: JobConfig, store: JobStore, node: str, retried: bool = False) -> None:
     """Starts `node`'s self-check beside its ranks: sent before the next `start`, so it runs while they start."""
-    args = {**request(cfg, store.take_injection(node)), "background": True}
+    args = {**request(cfg, store.take_injection(node), link_suspect=False), "background": True}
     rec.checking[node] = BackgroundCheck(store.send(node, "diagnose", args), time.time(), retried)
 
 

@@ -16,5 +16,6 @@ BENCHMARKS = {
     "recovery": "recovery",
     "stragglers": "stragglers",
     "memory": "memory",
+    "peers": "peers",
     "soak": "soak",
 }

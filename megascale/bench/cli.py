@@ -14,6 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("--json", action="store_true", help="print the result as one JSON object")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
+    bench.add_argument("--real", action="store_true",
+                       help="recovery: real GPT ranks in the main example's shape, one fault of each kind")
     bench.add_argument("--fault-interval", type=float, default=0.0, metavar="S",
                        help="recovery: seconds from one injected fault to the next (0 = 1 s after each recovery); "
                             "soak: the mean interval (0 = 120 s, 30 s with --quick)")

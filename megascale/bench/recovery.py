@@ -3,7 +3,8 @@
 Stand-in ranks (driver/sim_rank.py) keep it to CPU seconds; the control plane, services, chaos
 and recovery are the real ones. Faults of mixed kinds are injected one after another, each once
 the previous recovery has caught up (or `--fault-interval S` after the previous one); per fault
-the driver's own timings are reported.
+the driver's own timings are reported. Stand-ins start in milliseconds, so this measures detection;
+`--real` (recovery_real.py) measures what a fault costs with real GPT ranks.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -28,7 +30,7 @@ HEARTBEAT_S = 0.5
 HANG_AFTER_S = 2 * HEARTBEAT_S
 
 
-def _wait(predicate, timeout: float, what: str):
+def wait_for(predicate: Callable[[], object], timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if value := predicate():
@@ -38,6 +40,10 @@ def _wait(predicate, timeout: float, what: str):
 
 
 def run(args: argparse.Namespace) -> dict:
+    if getattr(args, "real", False):
+        from . import recovery_real  # imports this module's wait_for
+
+        return recovery_real.run(args)
     interval = getattr(args, "fault_interval", 0.0) or 0.0
     if interval < 0:
         raise SystemExit(f"megascale bench recovery: --fault-interval={interval}: must be >= 0")
@@ -66,18 +72,18 @@ def run(args: argparse.Namespace) -> dict:
         store = JobStore.from_url(handle.redis_url, JOB, secrets=handle.job_secrets())
         try:
             status = lambda: json.loads(store.r.get(store.k_status) or "{}")  # noqa: E731
-            _wait(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
+            wait_for(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
             injected = []
             for kind, node in plan:
                 before = len(status().get("recoveries", []))
                 injected.append(time.time())
                 inject(store, kind, node)
-                _wait(lambda: len(status().get("recoveries", [])) > before, 60, f"recovery from {kind} on {node}")
+                wait_for(lambda: len(status().get("recoveries", [])) > before, 60, f"recovery from {kind} on {node}")
                 time.sleep(max(1.0, interval - (time.time() - injected[-1])))  # steady training between faults
             final = status()
         finally:
             store.set_desired("stopped")
-            _wait(lambda: not handle.live() or JobHandle.load(JOB).final, 60, "the job to stop")
+            wait_for(lambda: not handle.live() or JobHandle.load(JOB).final, 60, "the job to stop")
     faults = final.get("recoveries", [])
     gaps = [b - a for a, b in zip(injected, injected[1:])]
     return {

@@ -7,13 +7,15 @@ replayed exactly, and whether the job left anything behind.
 Faults (issue 21), one every `--fault-interval` seconds on average, each once the job runs again:
   kill-rank, kill-executor, hang-rank (SIGSTOP), freeze-node (executor SIGSTOP), crash-mid-persist (a rank
   killed while a checkpoint is being written), corrupt-checkpoint (the newest, then its node killed so the
-  restore reads it), kill-driver, kill-redis, restart-broker (kill -9; the supervisor restarts each), slow-rank.
+  restore reads it), kill-driver, kill-redis, restart-broker (kill -9; the supervisor restarts each), slow-rank,
+  nan-loss (the reporting rank's next step report says NaN).
 Lost time per fault: from the injection until training is back past the step it had reached, less the time those
 steps take at the median step time. `ettr` is the driver's own.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -24,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import psutil
@@ -40,9 +42,7 @@ from megascale.driver.state import JobState, JobStore
 
 JOB = "bench-soak"
 FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
-          "kill-driver", "kill-redis", "restart-broker", "slow-rank")
-RECOVERED_BY_RESTART = {"kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist",
-                        "corrupt-checkpoint"}  # the others must cost no restart at all
+          "kill-driver", "kill-redis", "restart-broker", "slow-rank", "nan-loss")
 LOSS_RTOL = 1e-5  # the recovery tests' tolerance: reference and job may use different thread counts per rank
 
 
@@ -64,8 +64,10 @@ def job_config(root: Path, steps: int) -> dict:
 
 
 class Soak:
-    def __init__(self, root: Path, rng: random.Random):
-        self.root, self.rng = root, rng
+    """A launched job (`launched_job`): its status, progress and leak samples, and fault injection."""
+
+    def __init__(self, root: Path, rng: random.Random, env: dict):
+        self.root, self.rng, self.env = root, rng, env
         self.handle = JobHandle.load(JOB)
         self.store = JobStore.from_url(self.handle.redis_url, JOB, secrets=self.handle.job_secrets())
         self.progress: list[tuple[float, int]] = []  # (time, step) every ~0.5 s
@@ -98,9 +100,12 @@ class Soak:
 
     # -- faults ------------------------------------------------------------------------------------------
 
-    def inject(self, kind: str) -> str:
-        node = self.rng.choice(self.active_nodes())
+    def inject(self, kind: str, node: Optional[str] = None) -> str:
+        """Injects one fault of `kind` (FAULTS) into `node`, or a node drawn at random."""
+        node = node or self.rng.choice(self.active_nodes())
         handle = self.handle = JobHandle.load(JOB)
+        if kind == "nan-loss":  # the reporting rank's node, whichever it is
+            return inject(self.store, "nan-loss")
         if kind in ("kill-rank", "hang-rank"):
             return inject(self.store, "kill-rank" if kind == "kill-rank" else "hang", node)
         if kind in ("kill-executor", "freeze-node"):
@@ -244,6 +249,41 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@contextlib.contextmanager
+def launched_job(root: Path, rng: random.Random, bench: str) -> Iterator[Soak]:
+    """`job_config` launched under its own MEGASCALE_HOME in `root`; stopped, and waited for, however the block
+    ends. `bench` names the benchmark in the one-line error of a failed launch."""
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(job_config(root, steps=1_000_000)))
+    env = {**os.environ, "MEGASCALE_HOME": str(root / "home")}
+    os.environ["MEGASCALE_HOME"] = env["MEGASCALE_HOME"]  # JobHandle.load reads it here
+    launched = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env,
+                              capture_output=True, text=True, timeout=120)
+    if launched.returncode:
+        raise SystemExit(f"megascale bench {bench}: {(launched.stderr.strip() or 'launch failed').splitlines()[-1]}")
+    soak = Soak(root, rng, env)
+    try:
+        yield soak
+    finally:
+        soak.store.set_desired("stopped")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (JobHandle.load(JOB) or soak.handle).final:
+            time.sleep(0.5)
+
+
+def losses_against_uninterrupted(soak: Soak) -> tuple[list[dict], dict]:
+    """The stopped job's metrics (a replayed step's latest line counts), and how its losses compare with an
+    uninterrupted `megascale train` of the same job to the same step."""
+    metrics = read_metrics(Path(JobHandle.load(JOB).run_dir))
+    reference = reference_losses(soak.root, soak.env, max((m["step"] for m in metrics), default=0))
+    latest = {m["step"]: m["loss"] for m in metrics}
+    mismatched = [s for s, loss in latest.items() if s in reference
+                  and abs(loss - reference[s]) > LOSS_RTOL * max(1.0, abs(reference[s]))]
+    equal = bool(reference) and not mismatched and set(latest) <= set(reference)
+    return metrics, {"loss_equal_to_uninterrupted": equal, "loss_steps_compared": len(set(latest) & set(reference)),
+                     "loss_mismatched_steps": mismatched[:10]}
+
+
 def run(args: argparse.Namespace) -> dict:
     quick = bool(getattr(args, "quick", False))
     minutes = getattr(args, "minutes", None) or (3.0 if quick else 30.0)
@@ -255,18 +295,9 @@ def run(args: argparse.Namespace) -> dict:
                                                              if "megascale" in n}
     with tempfile.TemporaryDirectory(prefix="megascale-bench-soak-") as tmp:
         root = Path(tmp)
-        path = root / "job.yaml"
-        path.write_text(yaml.safe_dump(job_config(root, steps=1_000_000)))
-        env = {**os.environ, "MEGASCALE_HOME": str(root / "home")}
-        os.environ["MEGASCALE_HOME"] = env["MEGASCALE_HOME"]  # JobHandle.load reads it here
-        launched = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env,
-                                  capture_output=True, text=True, timeout=120)
-        if launched.returncode:
-            raise SystemExit(f"megascale bench soak: {(launched.stderr.strip() or 'launch failed').splitlines()[-1]}")
-        soak = Soak(root, rng)
         injected: list[dict] = []
         started = time.time()
-        try:
+        with launched_job(root, rng, "soak") as soak:
             soak.watch(600, 30, until=lambda: soak.step() >= 10)
             end = started + minutes * 60
             kinds = list(FAULTS)
@@ -283,17 +314,10 @@ def run(args: argparse.Namespace) -> dict:
             soak.watch(300, 30, until=soak.running)
             final_status = soak.status()
             keys = redis_keys_by_prefix(soak.store)
-        finally:
-            soak.store.set_desired("stopped")
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not (JobHandle.load(JOB) or soak.handle).final:
-                time.sleep(0.5)
-        run_dir = Path(JobHandle.load(JOB).run_dir)
-        metrics = read_metrics(run_dir)
-        reference = reference_losses(root, env, max((m["step"] for m in metrics), default=0))
+        metrics, losses = losses_against_uninterrupted(soak)
         time.sleep(2)  # the supervisor's last clean-up
         left = leftovers(root, shm_before, tmp_before)
-    result = report(soak, injected, final_status, metrics, reference, left, interval)
+    result = report(soak, injected, final_status, metrics, losses, left, interval)
     return {**result, "minutes": round((time.time() - started) / 60, 1), "redis_keys_at_end": keys}
 
 
@@ -319,7 +343,7 @@ def reference_losses(root: Path, env: dict, steps: int) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, metrics_file.read_text().splitlines())}
 
 
-def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], reference: dict[int, float],
+def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], losses: dict,
            left: dict[str, int], interval: float) -> dict:
     step_s = statistics.median(m["step_time"] for m in metrics) if metrics else 0.0
     by_kind: dict[str, list[Optional[float]]] = {}
@@ -334,9 +358,6 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], r
                 else lost_seconds(soak.progress, fault["time"], step_s))
         fault["lost_s"] = lost
         by_kind.setdefault(fault["kind"], []).append(lost)
-    latest = {m["step"]: m["loss"] for m in metrics}
-    mismatched = [s for s, loss in latest.items() if s in reference
-                  and abs(loss - reference[s]) > LOSS_RTOL * max(1.0, abs(reference[s]))]
     kinds = sorted({k for s in soak.samples for k in s["kinds"]})
     span = soak.samples[-1]["time"] - soak.samples[0]["time"] if soak.samples else 0.0
     after = 300.0 if span >= 600 else 60.0  # slopes after the first 5 minutes (1 in a short run)
@@ -350,7 +371,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], r
         "ettr_by_fault_kind": {k: {"faults": len(v), "not_back": v.count(None),
                                    "lost_s_mean": round(statistics.fmean(x for x in v if x is not None), 2)
                                    if any(x is not None for x in v) else None} for k, v in sorted(by_kind.items())},
-        "steps": max(latest, default=0),
+        "steps": max((m["step"] for m in metrics), default=0),
         "step_s_median": round(step_s, 3),
         "rss_slope_mb_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {}).get("rss_mb"),
                                                     after) for k in kinds},
@@ -363,9 +384,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], r
         "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after),
         "heartbeat_lag_max": max((s["heartbeat_lag"] for s in soak.samples if "heartbeat_lag" in s), default=None),
         "step_time_drift": step_time_drift(metrics),
-        "loss_equal_to_uninterrupted": bool(reference) and not mismatched and set(latest) <= set(reference),
-        "loss_steps_compared": len(set(latest) & set(reference)),
-        "loss_mismatched_steps": mismatched[:10],
+        **losses,
         "leftovers": left,
         "injected": [{k: f[k] for k in ("kind", "done", "recoveries", "lost_s")} for f in injected],
         "cpus": os.cpu_count(),

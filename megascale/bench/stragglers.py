@@ -40,7 +40,7 @@ from typing import Optional
 import yaml
 
 from megascale.config import ControlConfig, JobConfig, from_dict
-from megascale.driver.metrics.stragglers import Finding, StragglerMonitor, Thresholds, segment_value
+from megascale.driver.metrics.stragglers import Finding, StragglerMonitor, Thresholds, peer_ratios, segment_value
 from megascale.driver.recovery.policy import straggler_to_evict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt-tiny.yaml"
@@ -125,6 +125,14 @@ def record(cfg: JobConfig, plan: list[tuple[int, int, float]] = ()) -> list[dict
 
 # -- trials ------------------------------------------------------------------------------------
 
+def achieved(steps: list[dict[int, dict]], rank: int) -> float:
+    """How much slower the throttle made `rank`: its compute over its TP peers' (who wait for it), the
+    median over `steps`."""
+    ratios = [value / tp_ref for ranks in steps
+              for value, _, tp_ref in [peer_ratios(ranks, "compute")[rank]] if tp_ref]
+    return round(statistics.median(ratios), 3) if ratios else 1.0
+
+
 def by_step(records: list[dict]) -> list[dict[int, dict]]:
     steps: dict[int, dict[int, dict]] = {}
     for r in records:
@@ -133,18 +141,30 @@ def by_step(records: list[dict]) -> list[dict[int, dict]]:
 
 
 def slow_down(ranks: dict[int, dict], rank: int, factor: float) -> dict[int, dict]:
-    """One step with `rank` computing `factor` times as long; its peers wait for it (lockstep): the same
-    seconds more in their wait on the group they share with it, narrowest first."""
+    """One step with `rank`'s process running `factor` times slower, as the chaos throttle makes it: its
+    compute and its waits on its TP peers (it is stopped when their data arrives) take `factor` times as
+    long, and so do its forward and backward, which hold both. The rest wait for it in lockstep: its TP
+    peers inside their forward and backward (their TP group's pace is its pace), then on the group they
+    share with it, narrowest first. (Live runs of the throttle measure its TP group's forward + backward
+    at 0.5-1.0 x log(factor) above the other DP replica's: BENCHMARKS.md.)"""
     me = ranks[rank]
-    extra = (factor - 1.0) * segment_value(me, "compute")
+    own = me["segments"]
+    work = own.get("forward", 0.0) + own.get("backward", 0.0)
+    extra = (factor - 1.0) * (segment_value(me, "compute") + own.get("exposed_tp", 0.0))
     out = {}
     for k, r in ranks.items():
         segments = dict(r["segments"])
         if k == rank:
-            segments["forward"] = segments.get("forward", 0.0) + extra
+            for name in ("forward", "backward", "exposed_tp"):
+                segments[name] = segments.get(name, 0.0) * factor
         else:
             kind = "tp" if (r["pp"], r["dp"]) == (me["pp"], me["dp"]) else "dp" if r["pp"] == me["pp"] else "pp"
-            segments[f"exposed_{kind}"] = segments.get(f"exposed_{kind}", 0.0) + extra
+            in_tp = (factor - 1.0) * work
+            waits = {"tp": in_tp, "dp": extra - in_tp} if kind == "tp" else {kind: extra}
+            for on, seconds in waits.items():
+                segments[f"exposed_{on}"] = segments.get(f"exposed_{on}", 0.0) + seconds
+            if kind == "tp":
+                segments["forward"] = segments.get("forward", 0.0) + waits["tp"]
         out[k] = {**r, "total": r["total"] + extra, "segments": segments}
     return out
 
@@ -181,9 +201,9 @@ class Trial:
 
     def score(self, slow: Optional[int], onset: int = 0, end: Optional[int] = None) -> dict:
         """Findings reported from `onset` to `end` (fault-free: all), whether and when the slow rank was
-        named (as a rank, not as part of a stage), and whether an eviction took the wrong node."""
+        named (alone: not as part of its TP group or stage), and whether an eviction took the wrong node."""
         found = [f for f in self.monitor.reported if onset <= f.since and (end is None or f.since < end)]
-        right = [f for f in found if slow in f.ranks and f.dimension != "pp"]
+        right = [f for f in found if f.ranks == [slow]]
         evicted = self.eviction[1] if self.eviction and onset <= self.eviction[0] < (end or 1 << 30) else None
         wrong = evicted is not None and (slow is None or evicted.nodes != [slow // self.ranks_per_node])
         return {"findings": len(found), "right": len(right),
@@ -244,13 +264,15 @@ def run(args: argparse.Namespace) -> dict:
     plan = [(LEAD + 1 + i * (FAULT_STEPS + GAP), rank, round(rng.uniform(*FACTORS[i % 2]), 3))
             for i, rank in enumerate(rng.sample(range(world), faults))]
     cfg = main_example(LEAD + faults * (FAULT_STEPS + GAP))
-    started = time.monotonic()
+    started, load = time.monotonic(), [round(os.getloadavg()[0], 1)]
     steps = by_step(record(cfg, plan))
     recorded_s = time.monotonic() - started
+    load.append(round(os.getloadavg()[0], 1))
 
     live = Trial(ranks_per_node, control, thresholds).run(steps)
     ends = [onset for onset, _, _ in plan[1:]] + [len(steps) + 1]
-    live_scores = [{**live.score(rank, onset, end), "rank": rank, "factor": factor}
+    live_scores = [{**live.score(rank, onset, end), "rank": rank, "factor": factor,
+                    "achieved": achieved(steps[onset - 1:onset - 1 + FAULT_STEPS], rank)}
                    for (onset, rank, factor), end in zip(plan, ends)]
     warmup = steps[:thresholds.warmup_steps]
     faulted_steps = {s for onset, _, _ in plan for s in range(onset, onset + FAULT_STEPS)}
@@ -269,6 +291,7 @@ def run(args: argparse.Namespace) -> dict:
               "trials": {"fault_free": len(fault_free), "faulted": len(faulted), "live": len(live_scores),
                          "judged_rank_steps_fault_free": sum(s["rank_steps"] for s in fault_free)},
               "run": {"steps": len(steps), "fault_free_steps": sum(map(len, clean)), "seconds": round(recorded_s, 1),
+                      "load_average": load,
                       "step_s_median": round(statistics.median(
                           statistics.median(r["total"] for r in s.values()) for s in steps), 3)},
               "shape": {"ranks": world, "ranks_per_node": ranks_per_node,

@@ -11,7 +11,9 @@ A fault between persist and commit (the ranks die, the keepers finish writing) d
 checkpoint: `restore` first commits it if every rank's keeper holds the same newer step persisted.
 `restore` then takes the newest committed checkpoint whose shards verify: from host memory where the
 keeper still holds an intact snapshot matching the manifest, otherwise from storage with exactly one
-reader per shard in each DP group, broadcasting to the group (restore_plan.py).
+reader per shard in each DP group, broadcasting to the group (restore_plan.py). Between persisted
+checkpoints, in-memory snapshots replicated to the next node (memory_snapshots.py) are restored first
+when they are newer.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Callable, Mapping, Optional
 
 from megascale.checkpoint.client import HostBuffer, KeeperGone, KeeperLink
 from megascale.checkpoint.host_comm import HostGroups
+from megascale.checkpoint.memory_snapshots import MemorySnapshots, snapshot_digest
 from megascale.checkpoint.reshard import describe, slice_sources
 from megascale.checkpoint.restore_plan import Assembly, SliceReader, interrupted_step
 from megascale.checkpoint.save_plan import SavePlan, tensor_table
@@ -48,6 +51,8 @@ class Checkpointer:
         self.key = shard_key(*self.coords)
         self.layout = {"tp": ctx.layout.tp, "pp": ctx.layout.pp, "dp": ctx.layout.dp, "vpp": ctx.layout.vpp}
         self.plan = SavePlan(self.parts, self._meta(0))
+        self.digest = snapshot_digest(cfg.to_dict(), self.layout, self.plan)
+        self.memory: Optional[MemorySnapshots] = None
         self._storage: Optional[Storage] = None
         self.link: Optional[KeeperLink] = None
         self.buffer: Optional[HostBuffer] = None
@@ -68,6 +73,8 @@ class Checkpointer:
             self._connect()
         except CheckpointError as e:  # saves retry and report; restore reads storage
             log.warning("rank %d: checkpoint keeper unavailable: %s", ctx.rank, e)
+        if cfg.checkpoint.memory_every != 0:
+            self.memory = MemorySnapshots(self)
 
     @property
     def bytes_read(self) -> int:
@@ -76,8 +83,10 @@ class Checkpointer:
 
     @property
     def restored_from(self) -> dict[str, int]:
-        """How many of the last restore's shards came from where ("host memory", "storage")."""
-        return dict(self.reader.restored_from) if self.reader else {}
+        """How many of the last restore's shards came from where ("host memory", "storage", "peer replica")."""
+        if self.reader is not None:
+            return dict(self.reader.restored_from)
+        return dict(self.memory.restored_from) if self.memory is not None else {}
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -103,6 +112,8 @@ class Checkpointer:
             self.link = KeeperLink(self.uri, self.ctx.rank, c.filesystem, c.filesystem_options, c.keeper_idle_s)
             if self.buffer is not None:  # a new keeper: hand it the buffer again
                 self._attach()
+            if self.memory is not None and self.memory.address is not None:  # and serve replicas again
+                self.memory.listen(self.link)
         return self.link
 
     def _attach(self) -> None:
@@ -142,7 +153,8 @@ class Checkpointer:
 
     def after_step(self, step: int) -> None:
         """Call on every rank after each step (`step`: steps done): resolves a finished persist, and
-        saves every checkpoint.every steps."""
+        saves every checkpoint.every steps, and keeps in-memory snapshots in between."""
+        arrived = time.perf_counter()
         if self.pending is not None:
             self._resolve(block=False)
         elif self.commit_pending is not None:
@@ -150,6 +162,8 @@ class Checkpointer:
         every = self.cfg.checkpoint.every
         if every and step % every == 0:
             self.save(step)
+        if self.memory is not None:
+            self.memory.after_step(step, arrived)
 
     def save(self, step: int) -> None:
         """Phase 1 (collective only if a previous persist is unfinished): snapshot, hand over, return."""
@@ -168,6 +182,8 @@ class Checkpointer:
                             "(checkpoint.every is short for this storage)", step, time.perf_counter() - started)
         if self.link is not None:
             self._drain()  # notices a keeper that died since: the next connect starts a new one
+        if self.memory is not None:
+            self.memory.settle()  # the keeper still reads the last in-memory snapshot from the buffer
         self.pending, self.result = step, None
         try:
             header, tensors = self.plan.capture(self._meta(step))
@@ -175,7 +191,8 @@ class Checkpointer:
             self.plan.write(buffer.bytes, header, tensors, self.ctx.device)
             self._connect().send({"op": "persist", "rank": self.ctx.rank, "step": step, "key": self.key,
                                   "coords": list(self.coords), "version": VERSION, "offset": 0,
-                                  "length": self.plan.size, "dir": step_dir(step), "file": shard_file(self.key)})
+                                  "length": self.plan.size, "dir": step_dir(step), "file": shard_file(self.key),
+                                  "digest": self.digest})
         except KeeperGone as e:
             self._keeper_lost(str(e))
         except (CheckpointError, OSError) as e:  # no keeper: this checkpoint fails, training goes on
@@ -192,7 +209,9 @@ class Checkpointer:
 
     def _on_message(self, msg: dict) -> None:
         op, step = msg["op"], msg.get("step")
-        if op == "persisted" and step == self.pending:
+        if self.memory is not None and op in ("held", "error") and step is not None and step == self.memory.reading:
+            self.memory.on_held(msg)
+        elif op == "persisted" and step == self.pending:
             self.result = {"ok": True, "crc32": msg["crc32"], "bytes": msg["bytes"]}
             self.persist_seconds.append(msg["seconds"])
         elif op in ("persist_failed", "error") and step == self.pending:
@@ -230,6 +249,8 @@ class Checkpointer:
         if self.link is not None:
             self.link.close()
             self.link = None
+        if self.memory is not None:
+            self.memory.reading = None
         if self.pending is not None and self.result is None:
             self._fail(self.pending, reason)
         if self.commit_pending is not None:
@@ -323,6 +344,14 @@ class Checkpointer:
         steps = self.comm.broadcast_json(self._committed() if self.ctx.rank == 0 else None)
         if isinstance(steps, str):
             raise CheckpointError(steps)
+        if self.memory is not None:
+            step = self.memory.restore(steps[0] if steps else None)
+            if step is not None:
+                self.reader, self.last_committed = None, steps[0] if steps else None
+                log.info("rank %d: restored step %d (shards from %s: 1) in %.2f s, 0 bytes read from storage, %d "
+                         "from the peer", self.ctx.rank, step, *self.restored_from, time.perf_counter() - started,
+                         self.memory.fetched_bytes)
+                return step
         for step in steps:
             manifest = self.comm.broadcast_json(self._read_manifest(step) if self.ctx.rank == 0 else None)
             if isinstance(manifest, str):  # another format: older checkpoints are no better

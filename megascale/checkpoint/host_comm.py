@@ -33,6 +33,13 @@ class HostGroups:
         dist.all_reduce(t, group=self.world)
         return t.tolist()
 
+    def world_max(self, values: list[int]) -> list[int]:
+        if self.single:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world)
+        return t.tolist()
+
     def broadcast_json(self, value: Any) -> Any:
         """Rank 0's `value` on every rank."""
         if self.single:

@@ -1,7 +1,9 @@
 """The per-node snapshot keeper: phase 2 of checkpointing, in its own process.
 
 It holds each local rank's latest snapshot (a memfd the rank filled in phase 1), writes it to
-storage with a checksum when asked, and writes the manifest for rank 0. It outlives the
+storage with a checksum when asked, and writes the manifest for rank 0. In-memory snapshots
+(`hold`) are not persisted: it checksums them and sends them to the next node's keeper, and holds
+that node's predecessor's in turn (replica.py). It outlives the
 training processes, so after the ranks restart on the same node they get their snapshots back
 from it instead of from storage. It exits after `--idle-s` seconds without a connected rank,
 on a `shutdown` message, or when the executor named by MEGASCALE_NODE_PID exits (the node is gone).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import mmap
@@ -21,16 +24,19 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import psutil
 
 from megascale.checkpoint import ipc
-from megascale.checkpoint.storage import (Storage, apply_retention, normalize_uri, open_storage, write_file,
-                                          write_manifest)
+from megascale.checkpoint.replica import ReplicaError, ReplicaServer, send_replica
+from megascale.checkpoint.storage import (Storage, apply_retention, checksum, chunks_of, normalize_uri, open_storage,
+                                          write_file, write_manifest)
 
 log = logging.getLogger("megascale.checkpoint")
+# A restarted rank's hello waits this long for a replica still going to the next node before cutting it short
+HELLO_WAIT_S = 2.0
 
 
 @dataclass
@@ -41,6 +47,10 @@ class Slot:
     size: int
     view: mmap.mmap
     snapshot: Optional[dict] = None
+    # Held while the keeper reads the buffer: a restarted rank's hello waits, so it cannot overwrite
+    # a snapshot still being persisted or sent.
+    reading: threading.Lock = field(default_factory=threading.Lock)
+    sending: Optional[socket.socket] = None  # the connection to the next node's keeper while a replica goes out
 
     def close(self) -> None:
         ipc.close_mapping(self.view, self.fd)
@@ -56,6 +66,8 @@ class Keeper:
         self.last_active = time.monotonic()
         self.node_pid = os.environ.get("MEGASCALE_NODE_PID")
         self.node = _process(self.node_pid)
+        self.replica_key: Optional[bytes] = None  # the newest one the ranks handed over
+        self.replicas: Optional[ReplicaServer] = None  # started by the first `listen`
 
     def node_alive(self) -> bool:
         """Whether the executor this keeper serves still runs: a node's memory goes with the node
@@ -135,6 +147,14 @@ class Keeper:
             slot = self.slots.get(rank)
             if slot is None:
                 return {"op": "hello", "pid": os.getpid(), "snapshot": None, "size": 0}, []
+            if not slot.reading.acquire(timeout=HELLO_WAIT_S):
+                sending = slot.sending
+                if sending is not None:  # the peer has stopped reading (frozen, gone): the restart comes first
+                    log.warning("rank %d restarts: abandoning its replica's send to the next node", rank)
+                    with contextlib.suppress(OSError):
+                        sending.shutdown(socket.SHUT_RDWR)
+                slot.reading.acquire()  # a persist to storage in progress is waited for, as before
+            slot.reading.release()
             return {"op": "hello", "pid": os.getpid(), "snapshot": slot.snapshot, "size": slot.size}, [slot.fd]
         if op == "attach":
             new = Slot(fds[0], msg["size"], mmap.mmap(fds[0], msg["size"], prot=mmap.PROT_READ))
@@ -149,6 +169,12 @@ class Keeper:
             return self._persist(self.slots[rank], msg), []
         if op == "commit":
             return self._commit(msg), []
+        if op == "hold":
+            if rank not in self.slots:
+                return {"op": "held", "step": msg["step"], "error": f"rank {rank} attached no buffer"}, []
+            return self._hold(rank, self.slots[rank], msg), []
+        if op == "listen":
+            return self._listen(msg), []
         if op == "snapshot":  # a restarted rank polls a persist its predecessor started
             slot = self.slots.get(rank)
             return {"op": "snapshot", "snapshot": slot.snapshot if slot else None}, []
@@ -163,8 +189,12 @@ class Keeper:
         return {"op": "error", "error": f"unknown op {op!r}"}, []
 
     def _persist(self, slot: Slot, msg: dict) -> dict:
+        with slot.reading:
+            return self._persist_read(slot, msg)
+
+    def _persist_read(self, slot: Slot, msg: dict) -> dict:
         step, offset, length = msg["step"], msg["offset"], msg["length"]
-        snapshot = {k: msg[k] for k in ("step", "key", "coords", "offset", "length", "version")}
+        snapshot = {k: msg.get(k) for k in ("step", "key", "coords", "offset", "length", "version", "digest")}
         snapshot["state"] = "persisting"
         slot.snapshot = snapshot
         directory = self.storage.path(msg["dir"])
@@ -185,6 +215,40 @@ class Keeper:
         seconds = time.perf_counter() - started
         snapshot.update(state="persisted", crc32=crc)
         return {"op": "persisted", "step": step, "crc32": crc, "bytes": length, "seconds": seconds}
+
+    def _hold(self, rank: int, slot: Slot, msg: dict) -> dict:
+        """An in-memory snapshot the rank just wrote: checksummed, and sent to `msg["peer"]` (the next
+        node's keeper) if any, while the rank trains on; it waits for the reply before overwriting it."""
+        record = {k: msg[k] for k in ("step", "key", "coords", "length", "version", "digest")}
+        peer, crc, error = msg.get("peer"), None, None
+        with slot.reading:
+            slot.snapshot = {**record, "offset": 0, "state": "holding"}
+            started = time.perf_counter()
+            with memoryview(slot.view) as view:
+                image = view[:record["length"]]
+                try:
+                    if peer and self.replica_key:
+                        crc = send_replica(peer, self.replica_key, rank, record, image,
+                                           connected=lambda sock: setattr(slot, "sending", sock))
+                except ReplicaError as e:
+                    error = str(e)
+                if crc is None:  # no peer, or it failed: the snapshot still counts on this node
+                    crc = checksum(chunks_of(image))
+                image.release()
+            slot.snapshot.update(state="held", crc32=crc)
+        return {"op": "held", "step": msg["step"], "crc32": crc, "seconds": time.perf_counter() - started,
+                "replicated": peer if peer and error is None else None, "error": error}
+
+    def _listen(self, msg: dict) -> dict:
+        """Serves replicas on `msg["bind"]` (port `msg["port"]`, 0 = any) under `msg["key"]`."""
+        self.replica_key = bytes.fromhex(msg["key"])
+        if self.replicas is None:
+            try:
+                self.replicas = ReplicaServer(msg["bind"], msg["port"], lambda: self.replica_key)
+            except OSError as e:
+                return {"op": "error", "error": f"cannot serve replicas on {msg['bind']}:{msg['port']}: {e}"}
+            log.info("serving replicas on %s", self.replicas.address)
+        return {"op": "listening", "address": self.replicas.address}
 
     def _commit(self, msg: dict) -> dict:
         step = msg["step"]

@@ -40,7 +40,7 @@ from megascale.common.auth import Signer
 SCHEMA_VERSION = 1
 
 RankState = Literal["starting", "running", "succeeded", "failed", "stopped"]
-ErrorKind = Literal["nccl_timeout", "cuda_error", "oom", "comm_error", "python_exception"]
+ErrorKind = Literal["hardware_error", "nccl_timeout", "cuda_error", "oom", "comm_error", "python_exception"]
 NodePhase = Literal["idle", "running", "stopping", "diagnosing", "exiting"]
 CommandOp = Literal["start", "stop", "diagnose", "flight", "exit"]
 EventType = Literal["state", "fault", "command", "node", "info"]

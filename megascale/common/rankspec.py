@@ -2,6 +2,7 @@
 and what the rank tells it back (`Progress`, a JSON-lines file the executor tails)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -34,13 +35,25 @@ class RankSpec:
         return cls(**json.loads(Path(path).read_text()))
 
 
+def nan_loss_order(progress_path: str | Path) -> Path:
+    """The file `megascale chaos nan-loss` creates beside the reporting rank's progress file: that rank's next
+    step report then carries a NaN loss, once (it deletes the file). The driver's nan_loss recovery runs end to
+    end while the training state stays finite, so replayed losses still equal an uninterrupted run's."""
+    return Path(f"{progress_path}.nan-loss")
+
+
 class Progress:
     """The progress file: one JSON object per line, flushed at once."""
 
     def __init__(self, path: str):
         self._f: IO[str] = open(path, "a")
+        self._nan_loss = nan_loss_order(path)
 
     def write(self, record: dict) -> None:
+        if "loss" in record and self._nan_loss.exists():  # a stat per step report: microseconds
+            with contextlib.suppress(FileNotFoundError):
+                self._nan_loss.unlink()
+                record = {**record, "loss": float("nan")}
         self._f.write(json.dumps({**record, "time": time.time()}) + "\n")  # the executor's hang clock reads it
         self._f.flush()
 

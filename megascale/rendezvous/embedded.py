@@ -47,10 +47,12 @@ def redis_binary() -> str:
 
 
 class EmbeddedRedis:
-    """A redis-server child process on 127.0.0.1. Use as a context manager or call start()/stop()."""
+    """A redis-server child process on 127.0.0.1 (or `host`). Use as a context manager or call start()/stop()."""
 
     def __init__(self, port: int | None = None, maxclients: int = 10000, *, username: str | None = None,
-                 password: str | None = None, data_dir: str | os.PathLike | None = None) -> None:
+                 password: str | None = None, data_dir: str | os.PathLike | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
         self.maxclients = maxclients
         self.username, self.password = username, password
@@ -60,7 +62,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"redis://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -75,7 +77,7 @@ class EmbeddedRedis:
         else:
             durability = ["--appendonly", "no"]
         args = [
-            redis_binary(), *self._acl_file(), "--port", str(self.port), "--bind", "127.0.0.1",
+            redis_binary(), *self._acl_file(), "--port", str(self.port), "--bind", self.host,
             "--save", "", *durability, "--daemonize", "no",
             "--dir", self.data_dir or self._dir, "--maxclients", str(self.maxclients),
             # Rendezvous keeps thousands of clients blocked on purpose; never drop them as idle.
@@ -102,7 +104,7 @@ class EmbeddedRedis:
 
     def client(self, **options) -> redis.Redis:
         """A client logged in as the job's user."""
-        return redis.Redis(host="127.0.0.1", port=self.port, username=self.username if self.password else None,
+        return redis.Redis(host=self.host, port=self.port, username=self.username if self.password else None,
                            password=self.password, **options)
 
     def _wait_ready(self) -> None:
@@ -120,7 +122,7 @@ class EmbeddedRedis:
                     if time.monotonic() > deadline:
                         self.stop()
                         raise RuntimeError(
-                            f"redis-server on 127.0.0.1:{self.port} not ready after {READY_TIMEOUT_S:.0f} s")
+                            f"redis-server on {self.host}:{self.port} not ready after {READY_TIMEOUT_S:.0f} s")
                     time.sleep(0.02)
         finally:
             client.close()

@@ -29,7 +29,9 @@ def test_train_saves_every_n_steps_and_resume_continues_exactly(tmp_path):
         "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
         "batch": {"micro": 1, "global": 2},
         "optimizer": {"lr": 0.02, "schedule": {"warmup_steps": 1}},
-        "checkpoint": {"uri": uri, "every": 4, "keeper_idle_s": 60},
+        # No in-memory snapshots: in this one process the first run's keeper outlives it, and would hand
+        # the second its step-6 snapshot (a separate `megascale train` process takes its keeper with it).
+        "checkpoint": {"uri": uri, "every": 4, "keeper_idle_s": 60, "memory_every": 0},
         "train": {"steps": 6},
     }))
     try:

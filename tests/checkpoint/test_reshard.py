@@ -28,7 +28,7 @@ def job_dict(uri: str, model: dict, optimizer: str, parallelism: dict) -> dict:
         "parallelism": parallelism,
         "batch": {"micro": 1, "global": 8},
         "optimizer": {"name": optimizer, "lr": 0.02, "schedule": {"kind": "cosine", "warmup_steps": 1}},
-        "checkpoint": {"uri": uri, "every": SAVE_AT, "keeper_idle_s": 120},
+        "checkpoint": {"uri": uri, "every": SAVE_AT, "keeper_idle_s": 120, "memory_every": 0},
         "train": {"steps": STEPS},
     }
 

@@ -1,4 +1,5 @@
-"""A real throttled NIC path: a network namespace whose loopback has a token-bucket qdisc (tc tbf).
+"""A real throttled NIC path: a network namespace whose loopback has a token-bucket qdisc (tc tbf), and
+an all-reduce pair across an emulated network's bridge (megascale/common/netemu.py).
 
 Needs root, iproute2 and the kernel's tbf qdisc; skips with the reason otherwise. The rate-limited
 TCP proxy fault in test_suite.py covers the same failure without privileges.
@@ -11,6 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megascale.common import netemu
+from megascale.diagnostics.cli import main as diagnose_main
+from megascale.diagnostics import NodeSpec
+from megascale.diagnostics.collectives import RankSpec, run_collective
+from megascale.diagnostics.faults import Faults
+from megascale.diagnostics.loopback import check_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "megascale.diagnostics.cli", "diagnose", "--json", "--checks", "loopback",
@@ -68,3 +76,51 @@ def test_tc_throttled_loopback_fails_and_clean_one_passes(netns):
     code, report = diagnose_in(clean)
     bw = next(r for r in report["checks"] if r["metric"] == "bandwidth")
     assert code == 0 and bw["status"] == "pass" and bw["value"] > 0.1
+
+
+@pytest.fixture
+def emulated_net():
+    """An emulated network of this test's own (namespaces, veths, bridge), removed after it."""
+    try:
+        netemu.require_net_admin()
+    except netemu.NetworkError as e:
+        pytest.skip(str(e))
+    job = f"emu-diag-{os.getpid()}"
+    net = netemu.create(job)
+    try:
+        yield net
+    finally:
+        netemu.teardown(job)
+    assert netemu.leftovers(job) == []
+
+
+def test_a_diagnostics_all_reduce_pair_crosses_the_bridge_at_the_slow_link_rate(emulated_net):
+    """What `megascale diagnose --job JOB` runs for each pair: one rank in each node's namespace."""
+    netemu.add_node(emulated_net, "n0", 2)
+    netemu.add_node(emulated_net, "n1", 0.2)  # 25 MB/s: the pair's bus bandwidth cannot exceed it
+    ranks = [RankSpec(n, 0, 0, netns=emulated_net.namespace(n)) for n in ("n0", "n1")]
+    res = run_collective("all_reduce", ranks, 2**20, budget_s=1.5, timeout_s=10, backend="gloo",
+                         spawn_grace_s=30, store_host=emulated_net.host_address)
+    assert res.ok, res.error
+    assert 0.008 < res.bus_bandwidth("all_reduce", 2**20, 2) < 0.03  # GB/s
+
+
+def test_the_loopback_check_probes_an_emulated_nodes_link_at_its_rate_and_fails_it_when_down(fast_config,
+                                                                                            emulated_net):
+    """What the self-check before a restart runs on an emulated node (driver/recovery/selfcheck.py)."""
+    node = NodeSpec("n0", interfaces=("lo",), netns=emulated_net.namespace("n0"))
+    netemu.add_node(emulated_net, "n0", 0.1)  # 12.5 MB/s
+    rows = {r.metric: r for r in check_loopback(node, fast_config, Faults(), 1.0)}
+    assert set(rows) == {"link_bandwidth", "link_latency", "bandwidth", "latency"}  # the link and lo
+    assert 0.005 < rows["link_bandwidth"].value < 0.016, rows["link_bandwidth"]
+    netemu.set_link(emulated_net, "n0", up=False)
+    down = [r for r in check_loopback(node, fast_config, Faults(), 1.0) if r.metric.startswith("link_")]
+    assert [r.status for r in down] == ["fail", "fail"] and "is down or stalled" in down[0].detail
+
+
+def test_diagnose_of_a_job_without_an_emulated_network_is_refused_in_one_line(capsys):
+    if not shutil.which("ip"):
+        pytest.skip("iproute2 (ip) not installed")
+    assert diagnose_main(["diagnose", "--job", "no-such-job"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ConfigError: --job=no-such-job: no node of that job is on an emulated network now (cluster.network)")

@@ -27,6 +27,25 @@ def test_error_lines_are_classified():
     assert classify("  warnings.warn(msg)") is None
 
 
+def test_hardware_errors_are_told_from_a_programs_own():
+    """Evidence of a bad machine (the driver evicts the node unchecked; Kubernetes cordons the machine)."""
+    for line in ("NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus.",
+                 "[rank3]: RuntimeError: CUDA error: uncorrectable ECC error encountered",
+                 "NVRM: Xid (PCI:0000:3b:00): 48, pid=1, An uncorrectable double bit error (DBE) has been detected",
+                 "NVRM: Xid (PCI:0000:86:00): 94, pid=7, Contained: SM (0x1). RST: No, D-RST: No",
+                 "NVRM: Xid (PCI:0000:3b:00): 63, pid=1, ECC page retirement or row remapping recording event",
+                 "nvidia-smi: row remapping failure on GPU 3"):
+        assert classify(line) == "hardware_error", line
+    # A program's own faults, though the GPU reports them: the driver self-checks before it blames the node.
+    assert classify("NVRM: Xid (PCI:0000:3b:00): 13, pid=1, Graphics Exception: ESR 0x405840") is None
+    assert classify("NVRM: Xid (PCI:0000:3b:00): 31, pid=1, Ch 00000010, MMU Fault") is None
+    assert classify("RuntimeError: CUDA error: an illegal memory access was encountered") == "cuda_error"
+    # A failed ibv_ call may be the pod's configuration (memlock, no RDMA device) or the far end: no evidence.
+    assert classify("node1:1234 [0] NCCL WARN Call to ibv_open_device failed") == "comm_error"
+    assert classify("node1:1234 [0] NCCL WARN Call to ibv_reg_mr failed with error Cannot allocate memory") != \
+        "hardware_error"
+
+
 def test_comm_env_layers_defaults_then_inherited_then_job():
     env = comm_env({"NCCL_IB_TIMEOUT": "23"}, inherited={"NCCL_IB_RETRY_CNT": "5"})
     assert env["NCCL_IB_TIMEOUT"] == "23"  # the job's config wins

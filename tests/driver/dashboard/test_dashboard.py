@@ -57,6 +57,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
                   "--hide-scrollbars", "--force-device-scale-factor=1", "--virtual-time-budget=5000"]
 STANDING, CLEARED = (123, 44, 191), (154, 160, 166)  # index.html's .finding-box strokes: #7b2cbf, #9aa0a6
+SLOWER = (178, 24, 43)  # index.html's ratioColour at 2x its stage peers and beyond
 TRACE = Path(__file__).parents[1] / "metrics" / "data" / "gpt-tiny-8-ranks.jsonl.gz"
 LAST = 100  # steps of it shown
 
@@ -68,8 +69,8 @@ def chromium_run(chromium: str, tmp_path, url: str, *args: str) -> str:
     return done.stdout
 
 
-def png_pixels(path) -> list[tuple[int, int, int]]:
-    """Every pixel of an 8-bit RGB(A), non-interlaced PNG, as Chromium writes screenshots. Decoded by hand
+def png_pixels(path) -> list[list[tuple[int, int, int]]]:
+    """The pixels of an 8-bit RGB(A), non-interlaced PNG, as Chromium writes screenshots, row by row. Decoded by hand
     (zlib and the five PNG row filters) rather than adding an image library for one test."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -92,7 +93,7 @@ def png_pixels(path) -> list[tuple[int, int, int]]:
             line[i] = (line[i] + (0, left, up, (left + up) // 2, nearest)[kind]) & 0xFF
         rows.append(line)
         prev = line
-    return [tuple(row[x * channels:x * channels + 3]) for row in rows for x in range(width)]
+    return [[tuple(row[x * channels:x * channels + 3]) for x in range(width)] for row in rows]
 
 
 @pytest.fixture
@@ -144,8 +145,16 @@ def test_heatmap_in_headless_chromium_shows_slowdown_and_standing_and_cleared_fi
 
     shot = tmp_path / "dashboard.png"
     chromium_run(chromium, tmp_path, url, f"--screenshot={shot}", "--window-size=1400,1000")
-    pixels = collections.Counter(png_pixels(shot))
+    lines = png_pixels(shot)
+    pixels = collections.Counter(p for line in lines for p in line)
     assert pixels[STANDING] > 40 and pixels[CLEARED] > 40, (pixels[STANDING], pixels[CLEARED])
+    # The slowdown colours as drawn: the pixel lines with at least 5 cells' width at 2x and beyond form two
+    # bands, rank 3's and rank 6's rows (three rows apart, give or take the 1-2 px a finding box's outline
+    # hides at the top of a band); every other rank keeps pace.
+    width, height = (float(dom.having("hm-cell")[0][k]) for k in ("width", "height"))
+    red = [y for y, line in enumerate(lines) if line.count(SLOWER) >= 5 * width]
+    bands = [y for i, y in enumerate(red) if i == 0 or red[i - 1] != y - 1]
+    assert len(bands) == 2 and abs(bands[1] - bands[0] - 3 * height) <= 3, (bands, height)
 
 
 def test_json_endpoints(dashboard, facts):

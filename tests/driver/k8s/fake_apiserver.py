@@ -2,7 +2,7 @@
 watch protocol to the official `kubernetes` client (no real API server can run here).
 
 Like the real one:
-- pods, services, configmaps, secrets, networkpolicies (namespaced); nodes and customresourcedefinitions
+- pods, services, configmaps, secrets, networkpolicies, events, leases (namespaced); nodes and customresourcedefinitions
   (cluster); and the custom resources of every CRD created through it, with their status subresource
 - get, list (labelSelector a=b,c=d), create (409 AlreadyExists), update (PUT, resourceVersion
   checked), delete (404 NotFound with a Status body), merge and strategic-merge patches
@@ -19,11 +19,12 @@ Like the real one:
   whose ownerReferences name a deleted object: at once, or (`gc = False`) when `collect_garbage()` runs,
   as the real collector does some time later
 - events (core/v1), and the field selector metadata.name=<name> on lists
+- the Eviction API (pods/<name>/eviction, as `kubectl drain` calls it): a DisruptionTarget condition, then a
+  graceful delete
 
-Switchable per test, as real clusters behave: `fail(verb, plural, code)` answers the next requests with
-an error (403 quota / Pod Security refusals, 422, 429 with Retry-After, 5xx); `end_pod` ends a pod the way
-the kubelet and the control plane do (OOMKilled, Evicted, preempted with a DisruptionTarget condition,
-stuck in ImagePullBackOff); `set_ready` marks a machine NotReady or Ready.
+Switchable per test, as real clusters behave (fake_behaviours.py): injected errors, pods ended as the
+kubelet ends them, NotReady machines (after the node-monitor grace period), Pod Security admission, paginated
+lists with expiring continue tokens, dropped watches.
 
 Simplified: strategic merge replaces lists; no other field selectors, set-based selectors, JSON patch,
 server-side apply, discovery or webhooks.
@@ -40,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 from urllib.parse import parse_qs, urlparse
 
+from fake_behaviours import ApiError, Behaviours
 from schema_tools import Invalid, admit
 
 
@@ -60,19 +62,9 @@ class Kind:
 BUILTIN = [Kind("", "v1", "pods", "Pod", True), Kind("", "v1", "services", "Service", True),
            Kind("", "v1", "configmaps", "ConfigMap", True), Kind("", "v1", "secrets", "Secret", True),
            Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True),
-           Kind("", "v1", "events", "Event", True),
+           Kind("", "v1", "events", "Event", True), Kind("coordination.k8s.io", "v1", "leases", "Lease", True),
            Kind("", "v1", "nodes", "Node", False),
            Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False)]
-
-
-class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str):
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-    def status(self) -> dict:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
-                "reason": self.reason, "code": self.code}
 
 
 def merge_patch(target, patch):
@@ -96,7 +88,7 @@ def matches(labels: dict, selector: Optional[str]) -> bool:
     return True
 
 
-class FakeApiServer:
+class FakeApiServer(Behaviours):
     def __init__(self):
         self.kinds: dict[tuple[str, str], Kind] = {(k.group, k.plural): k for k in BUILTIN}
         self.schemas: dict[tuple[str, str], dict] = {}
@@ -203,76 +195,6 @@ class FakeApiServer:
         with self.cond:
             self._remove((group, plural, namespace or "", name))
 
-    def fail(self, verb: str, plural: str, code: int, times: int = 1, message: str = "",
-             retry_after: Optional[int] = None) -> None:
-        """The next `times` requests `verb` on `plural` are answered `code` (after authorization)."""
-        reasons = {403: "Forbidden", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError",
-                   503: "ServiceUnavailable", 504: "Timeout"}
-        self.faults.append([verb, plural, code, message or f"{reasons.get(code, code)} (injected)", retry_after,
-                            times])
-
-    def _fault(self, verb: str, plural: str) -> Optional[tuple[ApiError, Optional[int]]]:
-        with self.cond:
-            for fault in self.faults:
-                if fault[:2] == [verb, plural] and fault[5] > 0:
-                    fault[5] -= 1
-                    return ApiError(fault[2], {403: "Forbidden", 422: "Invalid", 429: "TooManyRequests"}.get(
-                        fault[2], "InternalError"), fault[3]), fault[4]
-        return None
-
-    def collect_garbage(self) -> None:
-        """Deletes objects whose owners are all gone (with `gc = False`, what the collector does later)."""
-        with self.cond:
-            uids = {o["metadata"]["uid"] for o in self.objects.values()}
-            for key, obj in list(self.objects.items()):
-                refs = obj["metadata"].get("ownerReferences") or []
-                if refs and key in self.objects and not any(r.get("uid") in uids for r in refs):
-                    self._delete(key, None)
-
-    def end_pod(self, name: str, namespace: str, how: str) -> Optional[dict]:
-        """Ends (or stalls) a pod as a real cluster would: OOMKilled, Evicted (kubelet node pressure),
-        Preempted (DisruptionTarget PreemptionByScheduler, then a graceful delete), ImagePullBackOff."""
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-        def change(pod: dict) -> None:
-            container = pod["spec"]["containers"][0]["name"]
-            status = pod.setdefault("status", {})
-            if how == "OOMKilled":
-                status.update(phase="Failed", containerStatuses=[{"name": container, "ready": False, "restartCount": 0,
-                              "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": now}}}])
-            elif how == "Evicted":
-                status.update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
-            elif how == "Preempted":
-                status.setdefault("conditions", []).append({
-                    "type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
-                    "message": "default-scheduler: preempting to accommodate a higher priority pod",
-                    "lastTransitionTime": now})
-            elif how == "ImagePullBackOff":
-                status.update(phase="Pending", containerStatuses=[{"name": container, "ready": False, "restartCount": 0,
-                              "state": {"waiting": {"reason": "ImagePullBackOff",
-                                                    "message": 'Back-off pulling image "megascale:typo"'}}}])
-            else:
-                raise ValueError(how)
-        ended = self.update("pods", name, namespace, change)
-        if how == "Preempted" and ended is not None:  # the scheduler deletes its victims gracefully
-            with self.cond:
-                self._delete(("", "pods", namespace, name), None)
-        return ended
-
-    def set_ready(self, machine: str, ready: bool) -> None:
-        """A machine's Ready condition, as the node lifecycle controller sets it (NotReady: Unknown)."""
-        self.update("nodes", machine, None, lambda n: n.setdefault("status", {}).update(conditions=[{
-            "type": "Ready", "status": "True" if ready else "Unknown",
-            "reason": "KubeletReady" if ready else "NodeStatusUnknown",
-            "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]))
-
-    def compact(self) -> None:
-        """Forgets the event history: open watches, and new ones from older resourceVersions, get 410 Gone."""
-        with self.cond:
-            self.rv += 1  # a list now returns a version that can be watched from
-            self.compacted, self.log = self.rv, []
-            self.cond.notify_all()
-
     # -- the store (called with self.cond held) -------------------------------------------------------
 
     def _store(self, key: tuple, obj: dict, event: str) -> dict:
@@ -295,6 +217,8 @@ class FakeApiServer:
         if kind.namespaced:
             meta["namespace"] = namespace
         obj = self._admit(kind, obj)
+        if kind.plural == "pods":
+            self.admit_pod(namespace, obj)  # PodSecurity, where a test enforces it
         meta = obj["metadata"]
         meta.update(uid=str(uuid.uuid4()), generation=1,
                     creationTimestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -313,12 +237,12 @@ class FakeApiServer:
                 self.kinds[(kind.group, kind.plural)] = kind
                 self.schemas[(kind.group, kind.plural)] = version["schema"]["openAPIV3Schema"]
 
-    def _admit(self, kind: Kind, obj: dict) -> dict:
+    def _admit(self, kind: Kind, obj: dict, old: Optional[dict] = None) -> dict:
         schema = self.schemas.get((kind.group, kind.plural))
         if schema is None:
             return obj
         try:
-            return admit(schema, obj)
+            return admit(schema, obj, old)
         except Invalid as e:
             raise ApiError(422, "Invalid", f'{kind.kind}.{kind.group} "{obj["metadata"].get("name")}" is invalid: {e}')
 
@@ -399,7 +323,7 @@ class FakeApiServer:
             return None
         name = rest[1] if len(rest) > 1 else None
         sub = rest[2] if len(rest) > 2 else None
-        if sub and not (sub == "status" and kind.status_subresource):
+        if sub and not (sub == "status" and kind.status_subresource) and (kind.plural, sub) != ("pods", "eviction"):
             return None
         return kind, namespace, name, sub
 
@@ -429,8 +353,9 @@ class FakeApiServer:
                          if (g, p) == (kind.group, kind.plural) and (namespace is None or ns == namespace)
                          and matches(o["metadata"].get("labels") or {}, query.get("labelSelector"))
                          and by_name in (None, n)]
-                return 200, {"apiVersion": kind.api_version, "kind": f"{kind.kind}List",
-                             "metadata": {"resourceVersion": str(self.rv)}, "items": items}
+                return 200, self.page(kind, items, query)
+            if verb == "create" and sub == "eviction":
+                return 201, self._evict(key)
             if verb == "create":
                 return 201, self._create(kind, namespace, body)
             if key not in self.objects:
@@ -465,13 +390,26 @@ class FakeApiServer:
                     if new.get("status") is None:
                         new.pop("status")
             if new.get("spec") != old.get("spec"):
-                new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+                new["metadata"] = {**new["metadata"], "generation": old["metadata"].get("generation", 1) + 1}
             if new == old:
                 return 200, copy.deepcopy(old)  # a no-op: no new resourceVersion, no event
-            new = self._admit(kind, new)
+            new = self._admit(kind, new, old)
             if kind.plural == "customresourcedefinitions":
                 self._register(new)
             return 200, self._store(key, new, "MODIFIED")
+
+    def _evict(self, key: tuple) -> dict:
+        """The Eviction API (`kubectl drain`): the pod gets its DisruptionTarget condition, then a graceful delete."""
+        if key not in self.objects:
+            raise ApiError(404, "NotFound", f'pods "{key[3]}" not found')
+        pod = copy.deepcopy(self.objects[key])
+        pod.setdefault("status", {}).setdefault("conditions", []).append({
+            "type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+            "message": "Eviction API: evicting",
+            "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self._store(key, pod, "MODIFIED")
+        self._delete(key, None)
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
 
     def _watch(self, req, kind: Kind, namespace: Optional[str], query: dict) -> None:
         selector = query.get("labelSelector")
@@ -489,6 +427,7 @@ class FakeApiServer:
             line = json.dumps({"type": event, "object": obj}).encode() + b"\n"
             req.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
             req.wfile.flush()
+        epoch = self.watch_epoch
         try:
             with self.cond:
                 since = query.get("resourceVersion")
@@ -504,11 +443,14 @@ class FakeApiServer:
                         send(event, obj)
                 with self.cond:
                     while not (self.log and self.log[-1][0] > seen) and seen >= self.compacted \
-                            and not self.closed and time.monotonic() < deadline:
+                            and not self.closed and time.monotonic() < deadline and self.watch_epoch == epoch:
                         self.cond.wait(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
                     if seen < self.compacted:  # events after `seen` are forgotten: the client must relist
                         gone = True
                         break
+                    if self.watch_epoch != epoch:  # dropped: the connection ends with no closing chunk
+                        req.close_connection = True
+                        return
                     if self.closed or time.monotonic() >= deadline:
                         break
                     batch = [e for e in self.log if e[0] > seen]

@@ -8,8 +8,9 @@ args with `python` as this interpreter and volume mount paths mapped to per-pod 
 ConfigMap or Secret volume gets its files), its env (fieldRef status.podIP = 127.0.0.1; mount paths
 mapped too) over this process's.
 The pod's phase follows the process; a graceful delete sends SIGTERM, SIGKILL after the grace
-period, then removes the pod. `fail_machine` kills a machine's processes and marks it NotReady,
-leaving its pods Running in the API, as a machine that drops off the network looks.
+period, then removes the pod. `fail_machine` kills a machine's processes and stops its kubelet, leaving its
+pods Running in the API, as a machine that drops off the network looks: it is marked NotReady at once, or
+after `grace_s` (default: the server's node_monitor() grace, 40 s as a real node lifecycle controller waits).
 """
 from __future__ import annotations
 
@@ -56,13 +57,13 @@ class FakeCluster:
             _signal(proc, signal.SIGKILL)
             proc.wait()
 
-    def fail_machine(self, name: str) -> None:
+    def fail_machine(self, name: str, grace_s: Optional[float] = None) -> None:
         self.failed.add(name)
         with self._lock:
             doomed = [p for (ns, pod), p in self.procs.items() if self._host(ns, pod) == name]
         for proc in doomed:
             _signal(proc, signal.SIGKILL)
-        self.api.update("nodes", name, None, lambda n: n["status"].update(conditions=[_ready(False)]))
+        self.api.kubelet_stopped(name, grace_s)
 
     def process(self, namespace: str, pod: str) -> Optional[subprocess.Popen]:
         with self._lock:

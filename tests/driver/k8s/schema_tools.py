@@ -1,9 +1,10 @@
 """What the API server does with a CRD's schema, done offline: structural-schema checks, defaulting,
 validation (jsonschema), and the CEL rules through a Python stand-in.
 
-The CEL stand-in understands the subset the CRD uses (field access on `self`, integer arithmetic,
-comparisons, &&, ||, !, has()); it checks what the rules *mean* on examples, not that a real CEL
-compiler accepts them.
+The CEL stand-in understands the subset the CRD uses (field access on `self` and `oldSelf`, integer
+arithmetic, comparisons, &&, ||, !, has()); transition rules (those naming oldSelf) run on updates only,
+where the old object has the field, as the API server runs them. It checks what the rules *mean* on
+examples, not that a real CEL compiler accepts them (test_crd_transitions.py compares it with cel-python).
 """
 from __future__ import annotations
 
@@ -91,8 +92,9 @@ def to_jsonschema(schema: dict, root: bool = True) -> dict:
     return out
 
 
-def admit(schema: dict, obj: dict) -> dict:
-    """The object as stored: defaults applied, then validated; raises Invalid naming the field."""
+def admit(schema: dict, obj: dict, old: Any = None) -> dict:
+    """The object as stored: defaults applied, then validated (`old`: the stored one, on an update); raises
+    Invalid naming the field."""
     obj = apply_defaults(schema, copy.deepcopy(obj))
     validator = jsonschema.Draft202012Validator(to_jsonschema(schema))
     errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
@@ -100,15 +102,20 @@ def admit(schema: dict, obj: dict) -> dict:
         e = errors[0]
         where = ".".join(str(p) for p in e.absolute_path) or "<root>"
         raise Invalid(f"{where}: {e.message}")
-    for where, message in cel_errors(schema, obj, ""):
+    for where, message in cel_errors(schema, obj, "", MISSING if old is None else old):
         raise Invalid(f"{where or '<root>'}: {message}")
     return obj
 
 
-def cel_errors(schema: dict, value: Any, path: str) -> Iterator[tuple[str, str]]:
+MISSING = object()  # no old value at this path: a create, or a field the old object lacked
+
+
+def cel_errors(schema: dict, value: Any, path: str, old: Any = MISSING) -> Iterator[tuple[str, str]]:
     for rule in schema.get("x-kubernetes-validations") or []:
+        if "oldSelf" in rule["rule"] and old is MISSING:
+            continue
         try:
-            ok = evaluate(rule["rule"], value)
+            ok = evaluate(rule["rule"], value, old)
         except (KeyError, TypeError, ZeroDivisionError) as e:
             ok, rule = False, {**rule, "message": f"{rule.get('message', rule['rule'])} ({type(e).__name__}: {e})"}
         if not ok:
@@ -116,7 +123,8 @@ def cel_errors(schema: dict, value: Any, path: str) -> Iterator[tuple[str, str]]
     if isinstance(value, dict):
         for name, sub in (schema.get("properties") or {}).items():
             if name in value:
-                yield from cel_errors(sub, value[name], f"{path}.{name}" if path else name)
+                yield from cel_errors(sub, value[name], f"{path}.{name}" if path else name,
+                                      old.get(name, MISSING) if isinstance(old, dict) else MISSING)
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
             yield from cel_errors(schema["items"], item, f"{path}[{i}]")
@@ -130,13 +138,16 @@ class _Self:
         value = self._data[name]  # KeyError: CEL's "no such key"
         return _Self(value) if isinstance(value, dict) else value
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Self) and self._data == other._data
 
-def evaluate(rule: str, value: Any) -> bool:
+
+def evaluate(rule: str, value: Any, old: Any = MISSING) -> bool:
     if not re.fullmatch(r"[\w\s.*%+\-=!<>&|()]+", rule):
         raise TypeError(f"rule outside the supported CEL subset: {rule}")
     text = rule.replace("&&", " and ").replace("||", " or ")
     text = re.sub(r"!(?!=)", " not ", text)
-    text = re.sub(r"has\(self\.([\w.]+)\)", lambda m: f"_has(self, {m.group(1)!r})", text)
+    text = re.sub(r"has\((self|oldSelf)\.([\w.]+)\)", lambda m: f"_has({m.group(1)}, {m.group(2)!r})", text)
 
     def _has(obj: _Self, dotted: str) -> bool:
         data: Any = obj._data
@@ -145,5 +156,6 @@ def evaluate(rule: str, value: Any) -> bool:
                 return False
             data = data[part]
         return True
-    return bool(eval(text, {"__builtins__": {}}, {"self": _Self(value) if isinstance(value, dict) else value,
-                                                   "_has": _has}))
+    def wrap(v: Any) -> Any:
+        return _Self(v) if isinstance(v, dict) else v
+    return bool(eval(text, {"__builtins__": {}}, {"self": wrap(value), "oldSelf": wrap(old), "_has": _has}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+from urllib3.util.retry import RequestHistory
 from k8s_support import NS
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import api_retry, spec
@@ -97,3 +98,45 @@ def test_errors_past_the_retries_leave_the_backend_running(job, monkeypatch):
     assert api.list("pods", NS) == [] and "n0" in backend.unsent
     api.fail("list", "pods", 500, times=2)
     assert backend.list() == {}
+
+
+def test_a_pod_security_refusal_is_a_condition_and_an_event_and_the_driver_carries_on(job):
+    api, operator_config, cr, redis_url = job
+    api.enforce_pod_security(NS, "restricted")  # the namespace's pod-security.kubernetes.io/enforce label
+    client = redis.Redis.from_url(redis_url)
+    state = K8sState(client, LAUNCH.job)
+    state.set_uid(cr["metadata"]["uid"])
+    backend = KubernetesBackend(Kube(connect(operator_config)), NS, JOB, LAUNCH, client, PodPolicy())
+    backend.start(["n0"])  # runs as root by default (spec.runAsNonRoot: false): refused, and the call returns
+    assert api.list("pods", NS) == []
+    why = ('pods "gpt-n0" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true (pod or '
+           'container "executor" must set securityContext.runAsNonRoot=true)')
+    assert state.refused() == {"n0": f"pod gpt-n0: {why}"}
+    [event] = api.list("events", NS)
+    assert (event["type"], event["reason"], event["involvedObject"]["uid"]) == (
+        "Warning", "FailedCreatePod", cr["metadata"]["uid"]) and why in event["message"]
+    rec = JobRecord(job=LAUNCH.job, config={}, run_dir="/r")
+    rec.nodes = [NodeSlot("n0", "active", 0, True)]
+    condition = job_status.pods_refused(state.refused(), rec)
+    assert (condition["type"], condition["status"]) == ("FailedCreatePod", "True") and why in condition["message"]
+    backend.unsent["n0"] = 0.0
+    assert backend.list() == {} and len(api.list("events", NS)) == 1  # refused again, told once, still running
+
+    api.enforce_pod_security(NS, "baseline")  # the admin relabels the namespace: the pod meets baseline
+    backend.unsent["n0"] = 0.0
+    assert "n0" in backend.list() and state.refused() == {}
+    assert job_status.pods_refused(state.refused(), rec)["status"] == "False"
+
+
+def test_the_retry_backoff_is_jittered_within_its_bounds():
+    def backoffs() -> list[float]:
+        retry, waits = api_retry.policy(), []
+        for _ in range(api_retry.RETRIES):
+            retry = retry.new(history=(*retry.history, RequestHistory("POST", "/api/v1/pods", None, 503, None)))
+            waits.append(retry.get_backoff_time())
+        return waits
+    runs = [backoffs() for _ in range(20)]
+    bounds = [min(api_retry.MAX_BACKOFF_S, api_retry.BACKOFF_S * 2 ** n) for n in range(1, api_retry.RETRIES + 1)]
+    assert all(0.0 <= w <= b for run in runs for w, b in zip(run, bounds))
+    assert runs[0] != runs[1] and len({run[0] for run in runs}) > 1  # no two drivers come back in step
+    assert max(run[-1] for run in runs) > api_retry.MAX_BACKOFF_S / 4  # spread over the range, not pinned low

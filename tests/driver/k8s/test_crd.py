@@ -40,7 +40,7 @@ def test_printer_columns_name_fields_of_the_schema():
 
 def test_examples_are_admitted_with_defaults():
     jobs = [d for path in (DEPLOY / "examples").glob("*.yaml") for d in load_yaml(path) if d["kind"] == "TrainingJob"]
-    assert len(jobs) == 2
+    assert len(jobs) == 3
     for job in jobs:
         stored = admit(SCHEMA, job)
         assert stored["spec"]["paused"] is False and stored["spec"]["policy"]["startTimeoutSeconds"] == 600.0

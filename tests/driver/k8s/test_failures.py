@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from kubernetes import client
 from k8s_support import NS
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import spec
@@ -115,6 +116,19 @@ def test_a_crash_and_a_kubelet_eviction_are_told_apart(job):
     assert rt.state.evicted_hosts() == ["m1"]  # the crash may be the machine's: this job avoids it
 
 
+def test_a_drain_through_the_eviction_api_replaces_the_pod_and_blames_no_machine(job, apiserver):
+    api, operator, rt, cr, rec = job
+    admin = Kube(connect(apiserver[1]))
+    drain = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{JOB}-n1", namespace=NS))
+    admin.core.create_namespaced_pod_eviction(f"{JOB}-n1", NS, drain)  # what `kubectl drain m1` sends
+    observe(api, operator, rt, cr, rec)
+    assert rt.store.evict_requests() == ["n1"]
+    assert "EvictionByEvictionAPI" in {e["reason"] for e in api.list("events", NS)}
+    KubernetesBackend(operator.kube, NS, JOB, LAUNCH, rt.store.r, PodPolicy()).evict("n1")
+    assert rt.state.evicted_hosts() == []
+    assert not any(m["spec"].get("unschedulable") for m in api.list("nodes"))
+
+
 def test_a_pod_the_cache_misses_is_read_again_before_its_node_is_evicted(job):
     api, operator, rt, cr, rec = job
     cached = {p["metadata"]["labels"][spec.NODE_LABEL]: p for p in api.list("pods", NS)}
@@ -138,3 +152,20 @@ def test_executor_pods_carry_the_specs_priority_class_else_the_operators():
         "urgent"
     stored = admit(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], trainingjob())["spec"]
     assert stored["nodeNotReadyGraceSeconds"] == spec.NOT_READY_GRACE_S
+
+
+@pytest.mark.parametrize("reason", ["TerminationByKubelet", "DeletionByTaintManager"])
+def test_kubelet_terminations_and_taint_deletions_are_disruptions_like_the_others(job, reason):
+    api, operator, rt, cr, rec = job
+    api.end_pod(f"{JOB}-n1", NS, reason)  # a node shutdown's kubelet; a NoExecute taint's manager (then a delete)
+    pod = api.get("pods", f"{JOB}-n1", NS)
+    assert {c["type"]: c["reason"] for c in pod["status"]["conditions"]}["DisruptionTarget"] == reason
+    assert (pod["status"]["phase"] == "Failed") == (reason == "TerminationByKubelet")
+    assert bool(pod["metadata"].get("deletionTimestamp")) == (reason == "DeletionByTaintManager")
+    observe(api, operator, rt, cr, rec)
+    assert rt.store.evict_requests() == ["n1"]  # replaced now, like a preemption or a drain: no restart counted
+    [event] = api.list("events", NS)
+    assert event["reason"] == reason and event["involvedObject"]["uid"] == cr["metadata"]["uid"]
+    KubernetesBackend(operator.kube, NS, JOB, LAUNCH, rt.store.r, PodPolicy()).evict("n1")
+    assert rt.state.evicted_hosts() == []  # no machine blamed, none cordoned
+    assert not any(m["spec"].get("unschedulable") for m in api.list("nodes"))

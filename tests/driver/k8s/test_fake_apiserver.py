@@ -9,7 +9,8 @@ from k8s_support import NS, OPERATOR_USER, wait_for
 from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 from megascale.driver.k8s.crd import crd
-from megascale.driver.k8s.kube import Informer, Kube, connect, reason
+from megascale.driver.k8s.informer import Informer
+from megascale.driver.k8s.kube import Kube, connect, reason
 
 
 def pod(name: str, **labels) -> dict:

@@ -61,7 +61,8 @@ def test_operator_deployment_matches_its_account_and_settings():
     for binding in (d for d in rbac if d["kind"].endswith("Binding")):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
                                         "namespace": SYSTEM_NS}]
-    assert all(d["metadata"]["namespace"] == NS for d in rbac if d["kind"] in ("Role", "RoleBinding"))
+    assert {(d["kind"], d["metadata"]["namespace"]) for d in rbac if d["kind"] in ("Role", "RoleBinding")} == {
+        (kind, ns) for kind in ("Role", "RoleBinding") for ns in (NS, SYSTEM_NS)}  # SYSTEM_NS: the Lease only
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     refs = [e["valueFrom"]["configMapKeyRef"] for e in env.values() if "configMapKeyRef" in e.get("valueFrom", {})]
     assert {(r["name"], r["key"]) for r in refs} == {(services["metadata"]["name"], k) for k in services["data"]}

@@ -61,3 +61,38 @@ def test_a_recreated_job_never_adopts_its_predecessors_pods_or_objects(apiserver
         backend.start(["n0"])
         assert backend.list()["n0"].alive
         assert api.get("pods", f"{JOB}-n0", NS)["metadata"]["ownerReferences"][0]["uid"] == new["metadata"]["uid"]
+
+
+def test_a_config_map_is_claimed_only_by_its_controllers_uid(apiserver):
+    api, admin_config, operator_config = apiserver
+    api.gc = False  # the collector comes later
+    admin, kube = Kube(connect(admin_config)), Kube(connect(operator_config))
+    admin.apply_crd(crd())
+
+    def create() -> dict:
+        admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
+            "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
+            "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 1, "parallelism": {"dp": 1},
+                     "config": {"inline": {}}}})
+        return api.get("trainingjobs", JOB, NS, group="megascale.io")
+
+    def resolved(cr: dict) -> dict:
+        return spec.config_map(cr, spec.job_config(cr, {}, spec.ServiceDefaults("redis://r:6379/0", "k:9092")))
+
+    name = spec.config_map_name(JOB)
+    old = create()
+    kube.apply_owned("ConfigMap", NS, resolved(old))
+    admin.custom.delete_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", JOB)
+    new = create()
+    # the same name and labels, the predecessor's controller UID: not this job's, whatever else it carries
+    api.update("configmaps", name, NS, lambda cm: cm["metadata"]["ownerReferences"].append(
+        {**cm["metadata"]["ownerReferences"][0], "uid": new["metadata"]["uid"], "controller": False}))
+    with pytest.raises(Leftover, match=f"ConfigMap {NS}/{name} still belongs to a deleted TrainingJob"):
+        kube.apply_owned("ConfigMap", NS, resolved(new))
+    assert api.get("configmaps", name, NS)["metadata"]["ownerReferences"][0]["uid"] == old["metadata"]["uid"]
+
+    api.remove("configmaps", name, NS)  # collected
+    kube.apply_owned("ConfigMap", NS, resolved(new))
+    [ref] = api.get("configmaps", name, NS)["metadata"]["ownerReferences"]
+    assert (ref["uid"], ref["controller"]) == (new["metadata"]["uid"], True)
+    kube.apply_owned("ConfigMap", NS, resolved(new))  # its own: patched in place, no error

@@ -47,10 +47,11 @@ def test_a_slowed_rank_of_a_real_run_is_named_within_a_few_steps_and_no_other_ra
     assert (found.ranks, found.nodes) == ([facts.SLOW_RANK], [1])
     assert (found.tp, found.pp, found.dp) == (1, 0, 1)
     assert found.dimension == "tp"  # one rank slower than its TP peer on the same node: a device, not the node
-    assert found.slowdown > 1.5 and found.confidence > 0.999
+    assert found.slowdown > 1.25 and found.confidence > 0.99  # its TP group's pace: the sleep and their TP waits
     assert facts.ONSET - 1 <= found.onset <= facts.ONSET + 2  # where its evidence shows the slowness began
     first, last = found.window
-    assert last == facts.STEPS and len(found.values) == len(found.peers_median) == last - first + 1
+    # The newest sure window (a fading step keeps the evidence it was last reported on).
+    assert facts.ONSET < last <= facts.STEPS and len(found.values) == len(found.peers_median) == last - first + 1
     evidence = zip(range(first, last + 1), found.values, found.peers_median)
     slow = [(v, m) for step, v, m in evidence if step >= facts.ONSET]
     assert slow and all(v > m for v, m in slow)  # the evidence: slower than its peers at every slow step
@@ -94,8 +95,9 @@ def test_a_slow_tp_group_shows_as_dp_and_a_slow_stage_as_pp(main_run):
                  **{k + 4: {**r, "rank": k + 4, "dp": r["dp"] + 2, "step": a[0]["step"]}
                     for k, r in b.items() if k < 4}}
                 for a, b in zip(main_run[:60], main_run[60:])]
-    group = monitor_over(slowed(replicas, [2, 3], 2.0, onset=40)).findings()
-    assert sorted((f.rank, f.dimension) for f in group) == [(2, "dp"), (3, "dp")]  # level with each other
+    (group,) = monitor_over(slowed(replicas, [2, 3], 2.0, onset=40)).findings()
+    assert (group.dimension, group.ranks, group.nodes) == ("dp", [2, 3], [0])  # level with each other: the node
+    assert describe(group).startswith("straggler: TP group pp0 dp1 (ranks 2-3 on node0): compute ")
     stage = monitor_over(slowed(main_run[:80], [4, 5, 6, 7], 2.0, onset=50)).findings()
     assert [(f.dimension, f.ranks, f.nodes, f.pp) for f in stage] == [("pp", [4, 5, 6, 7], [1], 1)]
     assert stage[0].slowdown > 1.5
@@ -116,12 +118,15 @@ def test_noisy_large_job_flags_only_the_slow_rank():
         records = []
         for p in range(pp):
             for d in range(dp):
-                for t in range(tp):
-                    compute = 0.5 * (1 + rng.uniform(-0.1, 0.1)) * (1.1 if p else 1.0)
-                    compute *= 1.5 if (t + tp * d, p, step > 10) == (target, 0, True) else 1.0
+                compute = [0.5 * (1 + rng.uniform(-0.1, 0.1)) * (1.1 if p else 1.0) for _ in range(tp)]
+                if (p, d, step > 10) == (0, target // tp, True):
+                    compute[target % tp] *= 1.5
+                for t in range(tp):  # TP peers wait for the group's slowest inside their forward
+                    waited = max(compute) - compute[t]
                     records.append({"step": step, "rank": t + tp * (d + dp * p), "tp": t, "pp": p, "dp": d,
-                                    "start": 1000.0 + step, "total": compute + 0.1,
-                                    "segments": {"data": 0.001, "forward": compute, "exposed_pp": 0.1}})
+                                    "start": 1000.0 + step, "total": max(compute) + 0.1,
+                                    "segments": {"data": 0.001, "forward": max(compute), "exposed_tp": waited,
+                                                 "exposed_pp": 0.1}})
         monitor.update(records)
     found = [(f.rank, f.node, f.segment, f.dimension) for f in monitor.reported]
     assert found == [(target, target // 8, "compute", "tp")]

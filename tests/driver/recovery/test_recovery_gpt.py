@@ -59,7 +59,7 @@ def gpt_job(tmp_path: Path, name: str, cluster: bool) -> str:
         "batch": {"micro": 1, "global": 4},
         "optimizer": {"lr": 0.01, "schedule": {"kind": "constant"}},
         "checkpoint": {"uri": f"file://{tmp_path / name / 'ckpt'}", "every": 4, "keeper_idle_s": 30,
-                       "filesystem": SLOW_FS},
+                       "filesystem": SLOW_FS, "memory_every": 0},  # persisted paths; snapshots: test_memory_snapshots
         "train": {"steps": STEPS, "run_dir": str(tmp_path / name)},
     }
     if cluster:
