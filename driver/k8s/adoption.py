@@ -191,4 +191,5 @@ def refused(op: Operator, cr: dict, e: api_retry.Refused) -> None:
     op.kube.patch_job_status(meta["namespace"], meta["name"], {
         "phase": previous.get("phase") or JobState.PENDING.value, "conditions": [*others, cond]})
     op.kube.create_event(cr, "Warning", cond["reason"], message)
-    op._say(key, f"{meta['namespace']}/{meta['name']}: {message}")
+    op._said[key] = message
+    log.warning("%s/%s: %s", meta["namespace"], meta["name"], message)

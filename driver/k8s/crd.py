@@ -188,8 +188,9 @@ def spec_schema() -> dict:
                          "description": "the image runs as a non-root user: the kubelet refuses to start it as root"},
         "shmSize": {**QUANTITY, "default": SHM_SIZE,
                     "description": "size limit of each pod's /dev/shm (memory, counted against the pod's limit)"},
-        "cordonBudget": _int(0, 1000, "machines the operator may cordon for this job per hour, each only after "
-                                      "it failed a self-check", default=1),
+        "cordonBudget": _int(0, 1000, "machines the operator may cordon for this job per hour, each only on "
+                                      "evidence of a bad machine (a failed self-check, a hardware error in a "
+                                      "rank's log, pods of different jobs crashing there)", default=1),
         "priorityClassName": _str("the executor pods' PriorityClass; default: the operator's (--priority-class)",
                                   maxLength=253),
         "scheduling": _str("gang scheduling: none (pod by pod), volcano or scheduler-plugins (a PodGroup of "

@@ -95,10 +95,10 @@ def _nodes(rec: JobRecord, live: Optional[JobStatus], hosts: dict[str, str], nam
 
 def conditions(previous: list[dict], rec: JobRecord, generation: Optional[int], extra: list[dict],
                now: float) -> list[dict]:
-    """Running / Paused / Completed / Failed from the phase, plus the operator's own (Valid, EvictionHeld,
-    FailedCreatePod); a condition keeps its lastTransitionTime while its status stays the same. Completed
-    means success, so that `kubectl wait --for=condition=Completed` waits for nothing else; a job that
-    failed says so in Failed (a stopped one only in its phase)."""
+    """Running / Paused / Completed / Failed from the phase, plus the operator's own (Valid, FailedCreateObject,
+    EvictionHeld, FailedCreatePod, Unschedulable); a condition keeps its lastTransitionTime while its status
+    stays the same. Completed means success, so that `kubectl wait --for=condition=Completed` waits for nothing
+    else; a job that failed says so in Failed (a stopped one only in its phase)."""
     phase = rec.state.value
     wanted = [
         {"type": "Running", "status": str(phase == JobState.RUNNING.value), "reason": phase, "message": rec.reason},

@@ -61,7 +61,7 @@ def test_refused_objects_at_adoption_are_a_condition_and_an_event_and_retried(ap
                 cond = wait_for(lambda: condition("gpt").get("status") == "True" and condition("gpt"), 30,
                                 "the refusal to reach the status")
                 assert cond["reason"] == "FailedCreateConfigMap" and QUOTA in cond["message"]
-                [event] = events("gpt")
+                [event] = wait_for(lambda: events("gpt"), 10, "the Event")
                 assert (event["type"], event["reason"], event["involvedObject"]["uid"]) == (
                     "Warning", "FailedCreateConfigMap", uid) and QUOTA in event["message"]
                 tried = refusals("configmaps")
@@ -78,7 +78,8 @@ def test_refused_objects_at_adoption_are_a_condition_and_an_event_and_retried(ap
                 cond = wait_for(lambda: condition("web").get("status") == "True" and condition("web"), 30,
                                 "the second refusal to reach the status")
                 assert cond["reason"] == "FailedCreateNetworkPolicy" and INVALID in cond["message"]
-                assert [e["reason"] for e in events("web")] == ["FailedCreateNetworkPolicy"]
+                assert [e["reason"] for e in wait_for(lambda: events("web"), 10, "the Event")] == [
+                    "FailedCreateNetworkPolicy"]
                 assert condition("gpt")["status"] == "False" and thread.is_alive()  # the other job carries on
                 api.faults.clear()
                 wait_for(lambda: condition("web").get("status") == "False", 30, "the second job to be adopted")
@@ -87,6 +88,4 @@ def test_refused_objects_at_adoption_are_a_condition_and_an_event_and_retried(ap
                 thread.join(timeout=30)
             assert not thread.is_alive()
     finally:
-        for name in ("gpt", "web"):
-            admin.custom.delete_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", name)
         kafka.stop(kill=True)

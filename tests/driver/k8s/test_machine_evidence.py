@@ -54,8 +54,9 @@ def cluster(apiserver):
             cr = jobs[name] = api.get("trainingjobs", name, NS, group="megascale.io")
             for i in range(2):
                 api.put(spec.pod(cr, f"n{i}", launch(name), []))
-                api.update("pods", f"{name}-n{i}", NS, lambda p, i=i: (p["spec"].update(nodeName=f"m{i}"), p.update(
-                    status={"phase": "Running", "containerStatuses": [{"name": "executor", "state": {"running": {}}}]})))
+                running = {"phase": "Running", "containerStatuses": [{"name": "executor", "state": {"running": {}}}]}
+                api.update("pods", f"{name}-n{i}", NS, lambda p, i=i: (p["spec"].update(nodeName=f"m{i}"),
+                                                                      p.update(status=running)))
             store = JobStore.from_url(server.url, f"{NS}.{name}")
             state = K8sState(store.r, store.job)
             state.set_uid(cr["metadata"]["uid"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fake_kubelet import FakeCluster
-from k8s_support import NS, OPERATOR_USER, wait_for
+from k8s_support import NS, OPERATOR_USER, sim_jobs, wait_for
 from megascale.driver.k8s.cli import request
 from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.evictions import evict_failed
@@ -186,12 +186,7 @@ def test_launch_failure_eviction_restart_pause_operator_restart_redis_loss_delet
 def test_finished_jobs_stay_finished_and_unrunnable_ones_say_why(apiserver, services, tmp_path, monkeypatch):
     api, admin_config, operator_config = apiserver
     redis_url, kafka = services
-    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", sim_rank.__file__)
-    monkeypatch.setenv("SIM_STEP_S", "0.05")
-    admin = Kube(connect(admin_config))
-    admin.apply_crd(crd())
-    inline = {"model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
-              "batch": {"micro": 1, "global": 2}, "train": {"steps": 8}}
+    admin, inline = sim_jobs(admin_config, monkeypatch, step_s=0.05, steps=8)
 
     def create(name: str, **spec) -> None:
         body = {"image": "megascale:test", "nodes": 1, "devicesPerNode": 2, "deviceResource": "",

@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 from fake_kubelet import FakeCluster
-from k8s_support import NS, SYSTEM_NS, wait_for
-from megascale.driver.k8s.crd import crd
+from k8s_support import NS, SYSTEM_NS, sim_jobs, wait_for
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.leader import LeaseConfig
 from megascale.driver.k8s.operator import Operator
 from megascale.driver.k8s.spec import ServiceDefaults
 from megascale.driver.services import EmbeddedKafka
 
-from megascale.driver import sim_rank
 from megascale.rendezvous.embedded import EmbeddedRedis
 
 JOB = "duo"
@@ -49,12 +47,7 @@ class Replica:
 @pytest.mark.slow
 def test_the_standby_takes_over_a_stalled_leaders_job_within_the_lease_duration(apiserver, tmp_path, monkeypatch):
     api, admin_config, operator_config = apiserver
-    monkeypatch.setenv("MEGASCALE_RANK_ENTRY", sim_rank.__file__)
-    monkeypatch.setenv("SIM_STEP_S", "0.1")
-    admin = Kube(connect(admin_config))
-    admin.apply_crd(crd())
-    inline = {"model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
-              "batch": {"micro": 1, "global": 2}, "train": {"steps": 100000}}
+    admin, inline = sim_jobs(admin_config, monkeypatch, step_s=0.1, steps=100000)
     admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
         "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
         "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 2, "deviceResource": "",
