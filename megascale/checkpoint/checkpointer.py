@@ -29,8 +29,8 @@ from megascale.checkpoint.restore_plan import Assembly, SliceReader, interrupted
 from megascale.checkpoint.save_plan import SavePlan, tensor_table
 from megascale.checkpoint.stateful import Stateful
 from megascale.checkpoint.storage import (
-    VERSION, CheckpointError, OtherFormat, Storage, check_compatible, committed_steps, new_manifest, open_storage,
-    read_manifest, shard_file, shard_key, step_dir,
+    VERSION, CheckpointError, OtherFormat, Storage, check_compatible, committed_or_why, manifest_or_why, new_manifest,
+    open_storage, shard_file, shard_key, step_dir,
 )
 from megascale.config import JobConfig
 from megascale.parallel.topology import ParallelContext
@@ -341,7 +341,7 @@ class Checkpointer:
         step (None: none exist)."""
         started = time.perf_counter()
         self._commit_interrupted()
-        steps = self.comm.broadcast_json(self._committed() if self.ctx.rank == 0 else None)
+        steps = self.comm.broadcast_json(committed_or_why(self.storage(), self.uri) if self.ctx.rank == 0 else None)
         if isinstance(steps, str):
             raise CheckpointError(steps)
         if self.memory is not None:
@@ -353,7 +353,7 @@ class Checkpointer:
                          self.memory.fetched_bytes)
                 return step
         for step in steps:
-            manifest = self.comm.broadcast_json(self._read_manifest(step) if self.ctx.rank == 0 else None)
+            manifest = self.comm.broadcast_json(manifest_or_why(self.storage(), step) if self.ctx.rank == 0 else None)
             if isinstance(manifest, str):  # another format: older checkpoints are no better
                 raise OtherFormat(manifest)
             if manifest is None:
@@ -390,7 +390,7 @@ class Checkpointer:
         step = interrupted_step(records, self.layout) if self.ctx.rank == 0 else None
         if step is None:
             return
-        committed = self._committed()
+        committed = committed_or_why(self.storage(), self.uri)
         if isinstance(committed, str) or (committed and committed[0] >= step):
             return
         if not self._commit(step, {r["key"]: (r["length"], r["crc32"]) for r in records}):
@@ -409,23 +409,6 @@ class Checkpointer:
                 self._keeper_lost(str(e))
             log.warning("rank %d: no checkpoint keeper (%s)", self.ctx.rank, e)
             return {}
-
-    def _committed(self) -> list[int] | str:
-        """Committed steps, newest first; or why they cannot be listed (every rank raises it)."""
-        try:
-            return sorted(committed_steps(self.storage()), reverse=True)
-        except (CheckpointError, OSError) as e:
-            return f"cannot list the checkpoints under {self.uri}: {e}"
-
-    def _read_manifest(self, step: int) -> dict | str | None:
-        """The manifest; why this version cannot read it (another format); None if it is damaged."""
-        try:
-            return read_manifest(self.storage(), step)
-        except OtherFormat as e:
-            return str(e)
-        except (CheckpointError, OSError) as e:
-            log.error("checkpoint step %d: unreadable manifest: %s", step, e)
-            return None
 
     def _load(self, manifest: dict) -> tuple[Optional[Assembly], Optional[str]]:
         """Collective over the DP group: this rank's part states from the old shards it needs, or an error."""

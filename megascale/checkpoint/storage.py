@@ -9,6 +9,7 @@ No torch here: the keeper process imports this module and must start fast.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import zlib
@@ -19,6 +20,8 @@ import pyarrow.fs as pafs
 
 from megascale.checkpoint.filesystems import UnknownFilesystem, open_filesystem
 from megascale.config import RUN_DIR
+
+log = logging.getLogger("megascale.checkpoint")
 
 # Version 2: shards hold the state dicts of named parts (version 1: a fixed set of ZeRO tensors).
 FORMAT, VERSION = "megascale-checkpoint", 2
@@ -310,3 +313,22 @@ def new_manifest(step: int, layout: dict, config: dict, shards: dict[str, dict],
     return {"format": FORMAT, "version": VERSION, "step": step, "created": time.time(), "layout": layout,
             "world_size": layout["tp"] * layout["pp"] * layout["dp"], "checksum": "crc32", "shards": shards,
             "parts": list(parts), "tensors": tensors or {}, "config": config}
+
+
+def committed_or_why(storage: Storage, uri: str) -> list[int] | str:
+    """Committed steps, newest first; or why they cannot be listed (every rank raises it)."""
+    try:
+        return sorted(committed_steps(storage), reverse=True)
+    except (CheckpointError, OSError) as e:
+        return f"cannot list the checkpoints under {uri}: {e}"
+
+
+def manifest_or_why(storage: Storage, step: int) -> dict | str | None:
+    """The manifest; why this version cannot read it (another format); None if it is damaged."""
+    try:
+        return read_manifest(storage, step)
+    except OtherFormat as e:
+        return str(e)
+    except (CheckpointError, OSError) as e:
+        log.error("checkpoint step %d: unreadable manifest: %s", step, e)
+        return None

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import redis
 from urllib3.util.retry import RequestHistory
-from k8s_support import NS
+from k8s_support import NS, create_job
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import api_retry, spec
 from megascale.driver.k8s import status as job_status
 from megascale.driver.k8s.backend import K8sState, KubernetesBackend
-from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.spec import PodPolicy
 from megascale.driver.state import JobRecord, NodeSlot
@@ -28,12 +27,7 @@ QUOTA = ('pods "gpt-n0" is forbidden: exceeded quota: gpu-quota, requested: nvid
 @pytest.fixture
 def job(apiserver):
     api, admin_config, operator_config = apiserver
-    admin = Kube(connect(admin_config))
-    admin.apply_crd(crd())
-    admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
-        "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
-        "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 1, "parallelism": {"dp": 1},
-                 "config": {"inline": {}}}})
+    create_job(admin_config, JOB, nodes=1, devicesPerNode=1, parallelism={"dp": 1})
     cr = api.get("trainingjobs", JOB, NS, group="megascale.io")
     with EmbeddedRedis() as server:
         yield api, operator_config, cr, server.url

@@ -7,19 +7,18 @@ import time
 
 import pytest
 from kubernetes import client
-from k8s_support import NS
+from k8s_support import NS, operator_runtime, running_pods
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import spec
-from megascale.driver.k8s.backend import K8sState, KubernetesBackend
+from megascale.driver.k8s.backend import KubernetesBackend
 from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.evictions import evict_failed
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.operator import Operator, Runtime
-from megascale.driver.k8s.spec import PodPolicy, ServiceDefaults
-from megascale.driver.state import JobRecord, JobStore, NodeSlot
+from megascale.driver.k8s.spec import PodPolicy
+from megascale.driver.state import JobRecord
 from schema_tools import admit
 
-from megascale.rendezvous.embedded import EmbeddedRedis
 
 JOB = "gpt"
 LAUNCH = NodeLaunch(job=f"{NS}.{JOB}", redis_url="redis://r:6379/0", kafka="k:9092", run_dir=spec.RUN_DIR,
@@ -43,21 +42,8 @@ def job(apiserver):
     admin.apply_crd(crd())
     admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", trainingjob())
     cr = api.get("trainingjobs", JOB, NS, group="megascale.io")
-    for i in range(4):
-        api.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"m{i}"}, "spec": {},
-                 "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
-        api.put(spec.pod(cr, f"n{i}", LAUNCH, []))
-        api.update("pods", f"{JOB}-n{i}", NS, lambda p, i=i: (p["spec"].update(nodeName=f"m{i}"), p.update(status={
-            "phase": "Running", "containerStatuses": [{"name": "executor", "state": {"running": {}}}]})))
-    with EmbeddedRedis() as server:
-        store = JobStore.from_url(server.url, f"{NS}.{JOB}")
-        state = K8sState(store.r, store.job)
-        state.set_uid(cr["metadata"]["uid"])
-        rec = JobRecord(job=store.job, config={}, run_dir="/r")
-        rec.nodes = [NodeSlot("n0", "active", 0, True), NodeSlot("n1", "active", 1, True),
-                     NodeSlot("n2", "spare", None, True), NodeSlot("n3", "spare", None, True)]
-        operator = Operator(Kube(connect(operator_config)), NS, ServiceDefaults(), missing_grace_s=0)
-        rt = Runtime(NS, JOB, cr["metadata"]["uid"], store, state, server.url, "k:1", False, {})
+    running_pods(api, cr, LAUNCH, 4)
+    with operator_runtime(cr, operator_config, active=2, spares=2) as (operator, rt, rec):
         yield api, operator, rt, cr, rec
 
 

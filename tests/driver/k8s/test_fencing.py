@@ -8,11 +8,10 @@ import threading
 
 import pytest
 import redis
-from k8s_support import NS, OPERATOR_USER, SYSTEM_NS, wait_for
+from k8s_support import NS, OPERATOR_USER, SYSTEM_NS, create_job, wait_for
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import jobdriver, spec
 from megascale.driver.k8s.backend import K8sState, KubernetesBackend
-from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.leader import Fence, LeaderElection, LeaseConfig, NotLeader
 from megascale.driver.k8s.spec import PodPolicy, ServiceDefaults
@@ -29,12 +28,7 @@ WRITES = ("create", "update", "patch", "delete")
 
 def test_a_driver_whose_operator_lost_the_lease_writes_nothing_more_and_stops(apiserver, tmp_path):
     api, admin_config, operator_config = apiserver
-    admin = Kube(connect(admin_config))
-    admin.apply_crd(crd())
-    admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
-        "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
-        "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 1, "deviceResource": "",
-                 "parallelism": {"dp": 1}, "config": {"inline": {}}}})
+    create_job(admin_config, JOB, nodes=1, devicesPerNode=1, deviceResource="", parallelism={"dp": 1})
     cr = api.get("trainingjobs", JOB, NS, group="megascale.io")
     fence = Fence(tmp_path / "lease")
     election = LeaderElection(Kube(connect(operator_config)).api,

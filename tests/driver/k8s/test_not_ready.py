@@ -7,18 +7,13 @@ import time
 
 import pytest
 from fake_behaviours import NODE_MONITOR_GRACE_S
-from k8s_support import NS
+from k8s_support import NS, create_job, operator_runtime, running_pods
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import health, spec
-from megascale.driver.k8s.backend import K8sState
-from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.evictions import evict_failed
-from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.operator import Operator, Runtime
-from megascale.driver.k8s.spec import ServiceDefaults
-from megascale.driver.state import JobRecord, JobStore, NodeSlot
+from megascale.driver.state import JobRecord
 
-from megascale.rendezvous.embedded import EmbeddedRedis
 
 JOB = "gpt"
 LAUNCH = NodeLaunch(job=f"{NS}.{JOB}", redis_url="redis://r:6379/0", kafka="k:9092", run_dir=spec.RUN_DIR,
@@ -30,29 +25,11 @@ MONITOR_S, JOB_GRACE_S = 2.0, 1  # the controller's grace (40 s in a real cluste
 def job(apiserver):
     """A TrainingJob with nodeNotReadyGraceSeconds=1, its running pods n0..n2 on machines m0..m2, an operator."""
     api, admin_config, operator_config = apiserver
-    admin = Kube(connect(admin_config))
-    admin.apply_crd(crd())
-    admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
-        "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
-        "spec": {"image": "megascale:test", "nodes": 2, "devicesPerNode": 1, "deviceResource": "",
-                 "parallelism": {"dp": 2}, "spares": 1, "nodeNotReadyGraceSeconds": JOB_GRACE_S,
-                 "config": {"inline": {}}}})
+    create_job(admin_config, JOB, nodes=2, devicesPerNode=1, deviceResource="", parallelism={"dp": 2}, spares=1,
+               nodeNotReadyGraceSeconds=JOB_GRACE_S)
     cr = api.get("trainingjobs", JOB, NS, group="megascale.io")
-    for i in range(3):
-        api.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"m{i}"}, "spec": {},
-                 "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
-        api.put(spec.pod(cr, f"n{i}", LAUNCH, []))
-        api.update("pods", f"{JOB}-n{i}", NS, lambda p, i=i: (p["spec"].update(nodeName=f"m{i}"), p.update(status={
-            "phase": "Running", "containerStatuses": [{"name": "executor", "state": {"running": {}}}]})))
-    with EmbeddedRedis() as server:
-        store = JobStore.from_url(server.url, f"{NS}.{JOB}")
-        state = K8sState(store.r, store.job)
-        state.set_uid(cr["metadata"]["uid"])
-        rec = JobRecord(job=store.job, config={}, run_dir="/r")
-        rec.nodes = [NodeSlot("n0", "active", 0, True), NodeSlot("n1", "active", 1, True),
-                     NodeSlot("n2", "spare", None, True)]
-        operator = Operator(Kube(connect(operator_config)), NS, ServiceDefaults(), missing_grace_s=0)
-        rt = Runtime(NS, JOB, cr["metadata"]["uid"], store, state, server.url, "k:1", False, {})
+    running_pods(api, cr, LAUNCH, 3)
+    with operator_runtime(cr, operator_config, active=2, spares=1) as (operator, rt, rec):
         yield api, operator, rt, cr, rec
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import redis
-from k8s_support import NS
+from k8s_support import NS, create_job
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.k8s import spec
 from megascale.driver.k8s.backend import K8sState, KubernetesBackend
-from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.ownership import Leftover
 from megascale.driver.k8s.spec import PodPolicy
@@ -24,13 +23,9 @@ def test_a_recreated_job_never_adopts_its_predecessors_pods_or_objects(apiserver
     api, admin_config, operator_config = apiserver
     api.gc, api.on_pod_delete = False, (lambda pod: True)  # the collector comes later; pods terminate slowly
     admin, kube = Kube(connect(admin_config)), Kube(connect(operator_config))
-    admin.apply_crd(crd())
 
     def create() -> dict:
-        admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
-            "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
-            "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 1, "parallelism": {"dp": 1},
-                     "config": {"inline": {}}}})
+        create_job(admin_config, JOB, nodes=1, devicesPerNode=1, parallelism={"dp": 1})
         return api.get("trainingjobs", JOB, NS, group="megascale.io")
 
     old = create()
@@ -67,13 +62,9 @@ def test_a_config_map_is_claimed_only_by_its_controllers_uid(apiserver):
     api, admin_config, operator_config = apiserver
     api.gc = False  # the collector comes later
     admin, kube = Kube(connect(admin_config)), Kube(connect(operator_config))
-    admin.apply_crd(crd())
 
     def create() -> dict:
-        admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", {
-            "apiVersion": "megascale.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": JOB, "namespace": NS},
-            "spec": {"image": "megascale:test", "nodes": 1, "devicesPerNode": 1, "parallelism": {"dp": 1},
-                     "config": {"inline": {}}}})
+        create_job(admin_config, JOB, nodes=1, devicesPerNode=1, parallelism={"dp": 1})
         return api.get("trainingjobs", JOB, NS, group="megascale.io")
 
     def resolved(cr: dict) -> dict:
