@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 
 from megascale.bench import BENCHMARKS
@@ -25,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    # A kill (SIGTERM) unwinds the benchmark: the jobs, brokers and servers it started are stopped by its clean-up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Imported on demand: each benchmark pulls in its own area (torch, Kafka, Redis).
     result = importlib.import_module(f"megascale.bench.{BENCHMARKS[args.name]}").run(args)
     if args.json:

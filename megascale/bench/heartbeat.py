@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import statistics
-import sys
 import time
 from typing import Optional
 
@@ -137,7 +135,6 @@ def run(args) -> dict:
     quick = bool(getattr(args, "quick", False))
     nodes, rounds = (2_000, 5) if quick else (10_000, 6)
     live_nodes, live_s = (1_000, 5) if quick else (5_000, 15)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on a kill
     key = JobSecrets.generate().hmac_key
     broker = EmbeddedKafka().start()
     try:

@@ -238,10 +238,6 @@ class ReplicaServer:
         self.address = f"{host}:{self.server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True, name="replica-server").start()
 
-    def held_bytes(self) -> int:
-        with self.lock:
-            return sum(r.record["length"] for r in self.replicas.values())
-
     def _accept(self) -> None:
         while True:
             conn, _ = self.server.accept()
