@@ -107,7 +107,7 @@ class Executor:
                 self.slow.apply(self.group)
                 self._publish_metrics()
                 self._publish_timings()
-                if changed:
+                if changed or (self.group and self.group.nonfinite):  # a NaN loss: the driver hears of it now
                     self._heartbeat()
                 self._heartbeat_if_due()
                 if self._redis_down_since and time.monotonic() - self._redis_down_since > self.redis_grace_s:
@@ -352,6 +352,9 @@ class Executor:
         self.seq += 1
         group = self.group
         newest = group.newest() if group else {}
+        nonfinite = group.take_nonfinite() if group else None
+        if nonfinite:  # the driver stops on the first NaN, even one a later finite step hid
+            newest = {**newest, **nonfinite}
         now = time.time()
         waiting, waiting_since = (group.waiting() if group else None) or (None, None)
         hb = Heartbeat(job=self.job, node=self.node, host=self.host, ip=self.ip, boot_id=self.boot_id, seq=self.seq,

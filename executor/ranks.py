@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import re
 import signal
@@ -105,6 +106,10 @@ class RankProcess:
                           step_time=self.last.get("step_time"), loss=self.last.get("loss"))
 
 
+def _finite(loss) -> bool:
+    return not isinstance(loss, float) or math.isfinite(loss)
+
+
 class RankGroup:
     """The ranks one `start` command asked for. `poll()` reports whether anything a heartbeat shows changed."""
 
@@ -117,6 +122,9 @@ class RankGroup:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.errors: collections.deque[ErrorLine] = collections.deque(maxlen=RECENT_ERRORS)
         self.steps: list[dict] = []  # step lines not yet published as metrics
+        # The first non-finite loss since the last heartbeat: a heartbeat shows only the newest step, and one
+        # NaN step between two heartbeats must not go unseen by the driver's nan_loss detector.
+        self.nonfinite: Optional[dict] = None
         self.procs: list[RankProcess] = []
         for local_rank, rank in enumerate(ranks):
             spec_path, progress = self._write_spec(spec, rank, local_rank, len(ranks))
@@ -203,6 +211,8 @@ class RankGroup:
                                    "val_ppl": record.get("val_ppl")}
                 p.last = {**record, **p.validated}  # a validation's results stay shown until the next one
                 self.steps.append({**record, "rank": p.rank})
+                if self.nonfinite is None and not _finite(record.get("loss")):
+                    self.nonfinite = {"step": record["step"], "loss": record["loss"]}
 
     def _scan_log(self, p: RankProcess) -> None:
         try:
@@ -227,6 +237,11 @@ class RankGroup:
         """The newest step statistics of any local rank (the reporting rank, when it is here)."""
         lasts = [p.last for p in self.procs if p.last]
         return max(lasts, key=lambda s: (s["step"], "loss" in s)) if lasts else {}
+
+    def take_nonfinite(self) -> Optional[dict]:
+        """The first step with a non-finite loss since the last call (its step and loss), or None."""
+        found, self.nonfinite = self.nonfinite, None
+        return found
 
     def restored_step(self) -> Optional[int]:
         """The step the local ranks started from (they restore the same one), once all reported it."""

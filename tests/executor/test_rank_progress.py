@@ -12,8 +12,22 @@ def test_the_newest_validation_is_carried_to_later_steps_and_published_once(tmp_
     lines = [{"step": s, "loss": 3.0 - s / 10, "time": float(s), **(validation if s == 2 else {})} for s in (1, 2, 3)]
     progress.write_text("".join(json.dumps(line) + "\n" for line in lines))
     group = RankGroup.__new__(RankGroup)  # the progress reader alone: no rank processes
-    group.steps, group.procs = [], [RankProcess(0, 0, None, tmp_path / "rank0.log", progress)]
+    group.steps, group.nonfinite = [], None
+    group.procs = [RankProcess(0, 0, None, tmp_path / "rank0.log", progress)]
     group._read_progress(group.procs[0])
     newest = group.newest()
     assert (newest["step"], newest["val_step"], newest["val_loss"], newest["val_ppl"]) == (3, 2, 2.5, 12.2)
     assert [s.get("val_loss") for s in group.steps] == [None, 2.5, None]  # a Metric per step: val on its own step
+
+
+def test_a_nan_step_between_two_heartbeats_is_reported_once_though_a_finite_step_followed(tmp_path):
+    progress = tmp_path / "rank4.progress.jsonl"
+    progress.write_text('{"step": 42, "loss": NaN, "time": 1.0}\n{"step": 43, "loss": 2.9, "time": 2.0}\n')
+    group = RankGroup.__new__(RankGroup)  # the progress reader alone: no rank processes
+    group.steps, group.nonfinite = [], None
+    group.procs = [RankProcess(4, 0, None, tmp_path / "rank4.log", progress)]
+    group._read_progress(group.procs[0])
+    assert group.newest()["step"] == 43  # what a heartbeat would show without the sticky NaN
+    found = group.take_nonfinite()
+    assert found["step"] == 42 and found["loss"] != found["loss"]  # NaN
+    assert group.take_nonfinite() is None  # once: the next heartbeat shows the newest step again
