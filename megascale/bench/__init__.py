@@ -19,3 +19,8 @@ BENCHMARKS = {
     "peers": "peers",
     "soak": "soak",
 }
+
+
+class BenchFailed(RuntimeError):
+    """A benchmark could not finish (a job that never recovered, a worker that failed): `megascale bench`
+    prints it as one line and exits 1."""

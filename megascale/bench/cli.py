@@ -7,7 +7,7 @@ import json
 import signal
 import sys
 
-from megascale.bench import BENCHMARKS
+from megascale.bench import BENCHMARKS, BenchFailed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +29,11 @@ def _bench(args: argparse.Namespace) -> int:
     # A kill (SIGTERM) unwinds the benchmark: the jobs, brokers and servers it started are stopped by its clean-up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Imported on demand: each benchmark pulls in its own area (torch, Kafka, Redis).
-    result = importlib.import_module(f"megascale.bench.{BENCHMARKS[args.name]}").run(args)
+    try:
+        result = importlib.import_module(f"megascale.bench.{BENCHMARKS[args.name]}").run(args)
+    except BenchFailed as e:
+        print(f"megascale bench {args.name}: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -22,6 +22,7 @@ import yaml
 
 from megascale.driver import sim_rank
 from megascale.driver.chaos import inject
+from megascale.bench import BenchFailed
 from megascale.driver.services import JobHandle
 from megascale.driver.state import JobStore
 
@@ -36,7 +37,7 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str):
         if value := predicate():
             return value
         time.sleep(0.2)
-    raise RuntimeError(f"bench recovery: timed out after {timeout:.0f} s waiting for {what}")
+    raise BenchFailed(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def run(args: argparse.Namespace) -> dict:

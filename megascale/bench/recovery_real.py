@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+from megascale.bench import BenchFailed
 from megascale.driver.chaos import executor_pid
 from megascale.driver.state import JobState
 
@@ -94,6 +95,10 @@ def inject_each(soak: Soak, faults: list[tuple[str, int | None]]) -> list[dict]:
             done = soak.inject(kind, node)
         try:
             recoveries = wait_for(lambda: _settled(soak, before), RECOVERY_TIMEOUT_S, f"the recovery from {kind}")
+        except BenchFailed as e:
+            status = soak.status()
+            raise BenchFailed(f"{e} ({done}; the job is {status.get('state')} at step {status.get('step')}, "
+                              f"{len(status.get('recoveries', [])) - before} recoveries since)") from None
         finally:
             _thaw(frozen)
         injected.append({"kind": kind, "done": done, "recoveries": recoveries})

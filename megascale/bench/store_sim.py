@@ -36,6 +36,7 @@ from datetime import timedelta
 import redis
 import torch.distributed as dist
 
+from megascale.bench import BenchFailed
 from megascale.parallel.topology import Layout
 from megascale.rendezvous import redis_store
 from megascale.rendezvous.embedded import EmbeddedRedis
@@ -328,7 +329,7 @@ def simulate(kind: str, world: int, plans: list[tuple[str, str, int | None]], np
 def _expect(results, what: str):
     msg = results.get(timeout=TIMEOUT.total_seconds())
     if msg[0] == "error":
-        raise RuntimeError(f"benchmark worker failed: {msg[1]}")
+        raise BenchFailed(f"benchmark worker failed: {msg[1]}")
     if msg[0] != what:
-        raise RuntimeError(f"benchmark worker sent {msg[0]!r}, expected {what!r}")
+        raise BenchFailed(f"benchmark worker sent {msg[0]!r}, expected {what!r}")
     return msg

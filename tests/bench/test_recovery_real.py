@@ -3,9 +3,12 @@ goals. The benchmark itself (8 real GPT ranks, several minutes) is a command, no
 BENCHMARKS.md; the same recoveries end to end are tests/driver/recovery/test_restart_in_process.py."""
 from __future__ import annotations
 
+import argparse
 
-
+from megascale.bench import BenchFailed
+from megascale.bench import recovery_real
 from megascale.bench.recovery_real import goals, split
+from megascale.cli import main
 
 
 def test_a_fault_costs_its_recoveries_summed_and_goals_without_a_value_are_not_judged():
@@ -19,3 +22,13 @@ def test_a_fault_costs_its_recoveries_summed_and_goals_without_a_value_are_not_j
     assert judged["killed_rank_lost_s"] == {"goal": 8.0, "value": 8.5, "met": False}
     assert judged["dead_node_with_spare_lost_s"]["met"] is None  # --quick injects no dead node
     assert judged["replayed_steps_max"]["met"] is True
+
+
+def test_a_benchmark_that_cannot_finish_says_why_in_one_line(monkeypatch, capsys):
+    def never_recovers(args: argparse.Namespace) -> dict:
+        raise BenchFailed("timed out after 300 s waiting for the recovery from nan-loss (the job is Running)")
+    monkeypatch.setattr(recovery_real, "run", never_recovers)
+    assert main(["bench", "recovery", "--real", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("megascale bench recovery: timed out after 300 s waiting for the recovery from "
+                                 "nan-loss (the job is Running)\n")
