@@ -20,9 +20,9 @@ from typing import Callable
 
 import yaml
 
+from megascale.bench import BenchFailed
 from megascale.driver import sim_rank
 from megascale.driver.chaos import inject
-from megascale.bench import BenchFailed
 from megascale.driver.services import JobHandle
 from megascale.driver.state import JobStore
 

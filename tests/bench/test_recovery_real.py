@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from megascale.bench import BenchFailed
-from megascale.bench import recovery_real
+from megascale.bench import BenchFailed, recovery_real
 from megascale.bench.recovery_real import goals, split
 from megascale.cli import main
 
