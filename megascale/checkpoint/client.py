@@ -74,6 +74,8 @@ class KeeperLink:
         self.snapshot: Optional[dict] = hello["snapshot"]
         self.snapshot_size: int = hello["size"]
         self.snapshot_fd: Optional[int] = fds[0] if fds else None
+        # The keeper's copies of this rank's newest held snapshots: (record, memfd), read-only here.
+        self.copies: list[tuple[dict, int]] = list(zip(hello.get("copies", []), fds[1:]))
 
     def send(self, obj: dict, fds: tuple[int, ...] = ()) -> None:
         try:
@@ -114,10 +116,17 @@ class KeeperLink:
         fd, self.snapshot_fd = self.snapshot_fd, None
         return fd
 
+    def release_copies(self) -> None:
+        """Closes the copies' fds once a restore is past them (the keeper reuses their memory)."""
+        for _, fd in self.copies:
+            os.close(fd)
+        self.copies = []
+
     def close(self) -> None:
         if self.snapshot_fd is not None:
             os.close(self.snapshot_fd)
             self.snapshot_fd = None
+        self.release_copies()
         self.sock.close()
 
 

@@ -15,7 +15,7 @@ import struct
 from typing import Optional
 
 MAX_INLINE = 32 << 10  # larger messages travel in a memfd passed with the packet
-MAX_FDS = 4
+MAX_FDS = 8
 
 
 def socket_name(uri: str) -> str:

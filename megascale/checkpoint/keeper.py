@@ -2,8 +2,8 @@
 
 It holds each local rank's latest snapshot (a memfd the rank filled in phase 1), writes it to
 storage with a checksum when asked, and writes the manifest for rank 0. In-memory snapshots
-(`hold`) are not persisted: it checksums them and sends them to the next node's keeper, and holds
-that node's predecessor's in turn (replica.py). It outlives the
+(`hold`) are not persisted: it checksums them, sends them to the next node's keeper (and holds that
+node's predecessor's in turn, replica.py) and keeps a copy of each rank's last two (KEPT_COPIES). It outlives the
 training processes, so after the ranks restart on the same node they get their snapshots back
 from it instead of from storage. It exits after `--idle-s` seconds without a connected rank,
 on a `shutdown` message, or when the executor named by MEGASCALE_NODE_PID exits (the node is gone).
@@ -37,6 +37,11 @@ from megascale.checkpoint.storage import (Storage, apply_retention, checksum, ch
 log = logging.getLogger("megascale.checkpoint")
 # A restarted rank's hello waits this long for a replica still going to the next node before cutting it short
 HELLO_WAIT_S = 2.0
+# Copies of each rank's newest held snapshots the keeper keeps besides the buffer. Nodes finish sending a
+# step's replicas at different moments: a node lost while its replica of step S is still in flight leaves
+# the next node holding S-1 of its ranks, while the survivors' buffers already hold S. With their last two
+# steps kept, every rank still has a step in common (S-1), one more replayed instead of a restore from storage.
+KEPT_COPIES = 2
 
 
 @dataclass
@@ -51,6 +56,44 @@ class Slot:
     # a snapshot still being persisted or sent.
     reading: threading.Lock = field(default_factory=threading.Lock)
     sending: Optional[socket.socket] = None  # the connection to the next node's keeper while a replica goes out
+    copies: list[Copy] = field(default_factory=list)  # of the newest held snapshots, oldest first
+
+    def keep_copy(self, image: memoryview, record: dict) -> None:
+        """Copies a snapshot just held into the oldest copy's memory (a new one while fewer are kept)."""
+        if len(self.copies) < KEPT_COPIES or self.copies[0].view.size() != len(image):
+            copy = Copy.of_size(len(image))
+        else:
+            copy = self.copies.pop(0)
+            copy.record = None  # torn while it is overwritten: a hello now passes it over
+        copy.view[:] = image
+        copy.record = record
+        self.copies.append(copy)
+        while len(self.copies) > KEPT_COPIES:
+            self.copies.pop(0).close()
+
+    def close(self) -> None:
+        ipc.close_mapping(self.view, self.fd)
+        for copy in self.copies:
+            copy.close()
+
+
+@dataclass
+class Copy:
+    """A copy of one held snapshot, in a memfd a restarting rank is handed with its hello."""
+
+    fd: int
+    view: mmap.mmap
+    record: Optional[dict] = None
+
+    @classmethod
+    def of_size(cls, size: int) -> Copy:
+        fd = os.memfd_create("megascale-snapshot-copy", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, mmap.mmap(fd, size))
+        except OSError:
+            os.close(fd)
+            raise
 
     def close(self) -> None:
         ipc.close_mapping(self.view, self.fd)
@@ -154,13 +197,16 @@ class Keeper:
                     with contextlib.suppress(OSError):
                         sending.shutdown(socket.SHUT_RDWR)
                 slot.reading.acquire()  # a persist to storage in progress is waited for, as before
+            copies = [c for c in slot.copies if c.record is not None]
             slot.reading.release()
-            return {"op": "hello", "pid": os.getpid(), "snapshot": slot.snapshot, "size": slot.size}, [slot.fd]
+            return {"op": "hello", "pid": os.getpid(), "snapshot": slot.snapshot, "size": slot.size,
+                    "copies": [c.record for c in copies]}, [slot.fd, *(c.fd for c in copies)]
         if op == "attach":
             new = Slot(fds[0], msg["size"], mmap.mmap(fds[0], msg["size"], prot=mmap.PROT_READ))
             with self.lock:
                 old, self.slots[rank] = self.slots.get(rank), new
             if old is not None:
+                new.copies, old.copies = old.copies, []  # a new buffer; the steps held before it stay restorable
                 old.close()
             return {"op": "attached"}, []
         if op == "persist":
@@ -234,8 +280,12 @@ class Keeper:
                     error = str(e)
                 if crc is None:  # no peer, or it failed: the snapshot still counts on this node
                     crc = checksum(chunks_of(image))
+                slot.snapshot.update(state="held", crc32=crc)
+                try:
+                    slot.keep_copy(image, dict(slot.snapshot))
+                except OSError as e:  # out of memory for it: the buffer alone still holds this step
+                    log.warning("rank %d: no copy of snapshot step %d kept: %s", rank, record["step"], e)
                 image.release()
-            slot.snapshot.update(state="held", crc32=crc)
         return {"op": "held", "step": msg["step"], "crc32": crc, "seconds": time.perf_counter() - started,
                 "replicated": peer if peer and error is None else None, "error": error}
 

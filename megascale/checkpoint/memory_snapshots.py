@@ -6,8 +6,8 @@ sends it to the next node's keeper in ring order (replica.py) while training goe
 The buffer holds one snapshot, so a rank waits for the keeper to have read the previous one before writing
 the next, and takes none while a persisted checkpoint is still being written from it.
 
-`restore` takes the newest step every rank holds intact, in its own node's keeper or as the replica its
-ring successor holds, if it is no older than the newest committed checkpoint; the ranks agree on it
+`restore` takes the newest step every rank holds intact, in its own node's keeper (the buffer, or one of
+the keeper's copies of the rank's last two held snapshots) or as the replica its ring successor holds, if it is no older than the newest committed checkpoint; the ranks agree on it
 through rank 0, as on a committed checkpoint. Only onto the same layout and job settings (`digest`): any
 other resume restores from storage and reshards.
 """
@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import math
+import mmap
 import os
 import secrets
 import statistics
@@ -214,11 +215,12 @@ class MemorySnapshots:
         step); returns it, or None (restore from storage then)."""
         ck = self.ck
         own, image = self._own()
+        copies = self._copies()
         replica = self._replica()
-        records = ck.comm.gather_records({"own": own, "replica": replica})
+        records = ck.comm.gather_records({"own": own, "copies": sorted(copies), "replica": replica})
         step = None
         if self.rank == 0:
-            common = set.intersection(*({r["own"], r["replica"]} - {None} for r in records))
+            common = set.intersection(*({r["own"], r["replica"], *r["copies"]} - {None} for r in records))
             if common and (committed is None or max(common) >= committed):
                 step = max(common)
             elif common or any(r["own"] is not None or r["replica"] is not None for r in records):
@@ -229,7 +231,9 @@ class MemorySnapshots:
         if step is not None and own != step:
             if image is not None:
                 image.close()
-            image, error = self._fetch(step)
+            image, error = self._copy(*copies[step]) if step in copies else self._fetch(step)
+        if ck.link is not None:
+            ck.link.release_copies()
         assembly = None
         if image is not None and step is not None:
             assembly, error = self._assemble(image, step)
@@ -244,7 +248,7 @@ class MemorySnapshots:
             return None
         for name, state in assembly.states().items():
             ck.parts[name].load_state_dict(state)
-        self.restored_from = {"host memory" if own == step else "peer replica": 1}
+        self.restored_from = {"host memory" if own == step or step in copies else "peer replica": 1}
         self._adopt(image, step, fetched=own != step, resend=own != step or replica != step)
         return step
 
@@ -270,6 +274,24 @@ class MemorySnapshots:
             image.close()
             return None, None
         return record["step"], image
+
+    def _copies(self) -> dict[int, tuple[dict, int]]:
+        """The keeper's copies of this rank's newest held snapshots, by step: (record, memfd)."""
+        link = self.ck.link
+        found = link.copies if link is not None else []
+        return {record["step"]: (record, fd) for record, fd in found
+                if self._usable(record) and record["length"] == self.ck.plan.size}
+
+    def _copy(self, record: dict, fd: int) -> tuple[Optional[HostBuffer], Optional[str]]:
+        """A new buffer holding the keeper's copy of a snapshot, verified against its checksum."""
+        image = HostBuffer(record["length"])
+        target = memoryview(image.bytes.numpy())
+        with mmap.mmap(fd, record["length"], prot=mmap.PROT_READ) as source:
+            target[:] = source
+        if checksum(chunks_of(target)) != record["crc32"]:
+            image.close()
+            return None, f"the keeper's copy of step {record['step']} fails its checksum"
+        return image, None
 
     def _replica(self) -> Optional[int]:
         """The step of this rank's replica at its ring successor, if that holds one of this job."""

@@ -184,7 +184,9 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         block = ParallelBlock if cfg.block == "parallel" else SerialBlock
-        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        # Its own weight: nn.Embedding's initialisation (normal_) on the meta device imports torch._dynamo, seconds
+        # in every new rank process; reset_parameters below initialises every parameter anyway.
+        self.wte = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(cfg.vocab, cfg.hidden))
         self.drop = nn.Dropout(cfg.dropout)
         # Keyed by global layer index, so parameter names survive pipeline splits.
         self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.layers)})

@@ -92,7 +92,49 @@ def test_a_lost_node_restores_from_its_successors_replica_without_reading_storag
     assert shards == {}
 
 
-def test_a_snapshot_torn_by_a_crash_mid_copy_is_not_restored(ckpt_dir, make_job, caplog):
+def train_then_crash_before_a_replica_arrives(ctx, cfg, out: str) -> None:
+    """Snapshots steps 1-3 unpersisted; the lost node's (rank 1's) replica of step 3 never reaches the
+    next node, as when the node dies with it still on the wire."""
+    trainer = Trainer(cfg, ctx)
+    checkpointer = Checkpointer(cfg, ctx, checkpoint_parts(trainer))
+    losses = []
+    for _ in range(STEPS - 1):
+        losses.append(trainer.step().loss)
+        if ctx.rank == 1 and trainer.step_index == 3:
+            checkpointer.memory.peer = None
+        checkpointer.after_step(trainer.step_index)
+    checkpointer.memory.settle()
+    losses.append(trainer.step().loss)
+    if ctx.rank == 0:
+        Path(out).write_text(json.dumps(losses))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_node_lost_with_its_newest_replica_in_flight_restores_the_step_before_from_the_keepers_copies(
+        ckpt_dir, make_job, fs, monkeypatch):
+    cfg = make_job(str(ckpt_dir), {"dp": 2}, steps=STEPS, every=100, memory_every=1)
+    out = ckpt_dir.parent / "losses.json"
+    try:
+        with pytest.raises(RuntimeError, match="without a result"):
+            run_ranks(train_then_crash_before_a_replica_arrives, layout_of(cfg), cfg, str(out),
+                      place=on_nodes("n0", "n1"))
+        monkeypatch.setenv("MEGASCALE_NODE", "n1")
+        assert shutdown_keeper(str(ckpt_dir)) is not None
+        results = run_ranks(resume, layout_of(cfg), cfg, place=on_nodes("n0", "spare"))
+    finally:
+        for node in ("n0", "n1", "spare"):
+            monkeypatch.setenv("MEGASCALE_NODE", node)
+            shutdown_keeper(str(ckpt_dir))
+    # Rank 0's buffer holds step 3, the replica of rank 1 only step 2: the copy of step 2 on n0 is common ground.
+    assert [r["start"] for r in results] == [2, 2]
+    expected = json.loads(out.read_text())
+    assert all(r["losses"] == expected[2:] for r in results)
+    assert [r["from"] for r in results] == [{"host memory": 1}, {"peer replica": 1}]
+    assert all(r["bytes_read"] == 0 for r in results)
+
+
+def test_a_snapshot_torn_by_a_crash_mid_copy_is_not_restored_but_the_keepers_copy_of_it_is(ckpt_dir, make_job,
+                                                                                           caplog):
     cfg = make_job(str(ckpt_dir), steps=3, memory_every=1)
     trainer = Trainer(cfg, single_device_context())
     checkpointer = Checkpointer(cfg, trainer.ctx, checkpoint_parts(trainer))
@@ -101,14 +143,17 @@ def test_a_snapshot_torn_by_a_crash_mid_copy_is_not_restored(ckpt_dir, make_job,
         checkpointer.after_step(trainer.step_index)
     checkpointer.memory.settle()
     checkpointer.buffer.bytes[-64:] += 1  # the next copy began and was cut short: no `hold` followed
+    expected = trainer.step().loss  # step 3, from step 2's state
     checkpointer.close()
     trainer.close()
     trainer = Trainer(cfg, single_device_context())
     checkpointer = Checkpointer(cfg, trainer.ctx, checkpoint_parts(trainer))
     with caplog.at_level(logging.INFO, logger="megascale.checkpoint"):
-        assert checkpointer.restore() is None  # nothing committed, and the snapshot in memory is torn
+        assert checkpointer.restore() == 2  # nothing committed: the copy the keeper made when it held step 2
+    assert trainer.step().loss == expected
     checkpointer.close()
     assert "in-memory snapshot of step 2 fails its checksum" in caplog.text
+    assert checkpointer.restored_from == {"host memory": 1} and checkpointer.bytes_read == 0
 
 
 def relay(target: str, flip_at: int | None = None, cut_at: int | None = None) -> str:
@@ -237,7 +282,8 @@ def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_peer_that_stoppe
     assert slot.sending is not None, "the replica send never started"
     started = time.monotonic()
     reply, fds = keeper._handle({"op": "hello", "rank": 0}, [])
-    assert time.monotonic() - started < HELLO_WAIT_S + 3 and fds == [fd]
+    assert time.monotonic() - started < HELLO_WAIT_S + 3 and fds[0] == fd
     assert reply["snapshot"]["step"] == 7 and reply["snapshot"]["state"] == "held", reply
+    assert [c["step"] for c in reply["copies"]] == [7] and len(fds) == 2  # the keeper's copy of it, in its memfd
     assert held and held[0]["replicated"] is None and "failed" in held[0]["error"], held
     frozen.close()
