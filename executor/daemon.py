@@ -107,7 +107,8 @@ class Executor:
                 self.slow.apply(self.group)
                 self._publish_metrics()
                 self._publish_timings()
-                if changed or (self.group and self.group.nonfinite):  # a NaN loss: the driver hears of it now
+                # A NaN loss, or training resumed after a restart: the driver hears of it now.
+                if changed or (self.group and (self.group.nonfinite or self.group.first_step_news)):
                     self._heartbeat()
                 self._heartbeat_if_due()
                 if self._redis_down_since and time.monotonic() - self._redis_down_since > self.redis_grace_s:
@@ -353,6 +354,8 @@ class Executor:
         group = self.group
         newest = group.newest() if group else {}
         nonfinite = group.take_nonfinite() if group else None
+        if group:
+            group.first_step_news = False
         if nonfinite:  # the driver stops on the first NaN, even one a later finite step hid
             newest = {**newest, **nonfinite}
         now = time.time()

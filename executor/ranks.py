@@ -125,6 +125,9 @@ class RankGroup:
         # The first non-finite loss since the last heartbeat: a heartbeat shows only the newest step, and one
         # NaN step between two heartbeats must not go unseen by the driver's nan_loss detector.
         self.nonfinite: Optional[dict] = None
+        # The incarnation's first step, until a heartbeat carries it: the driver times the restart by it.
+        self.first_step_news = False
+        self._stepped = False
         self.procs: list[RankProcess] = []
         for local_rank, rank in enumerate(ranks):
             spec_path, progress = self._write_spec(spec, rank, local_rank, len(ranks))
@@ -210,6 +213,8 @@ class RankGroup:
                     p.validated = {"val_step": record["step"], "val_loss": record["val_loss"],
                                    "val_ppl": record.get("val_ppl")}
                 p.last = {**record, **p.validated}  # a validation's results stay shown until the next one
+                if not self._stepped:
+                    self._stepped = self.first_step_news = True
                 self.steps.append({**record, "rank": p.rank})
                 if self.nonfinite is None and not _finite(record.get("loss")):
                     self.nonfinite = {"step": record["step"], "loss": record["loss"]}

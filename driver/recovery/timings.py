@@ -38,7 +38,8 @@ def _occurred(rec: JobRecord, fault: Fault, now: float, chaos: Optional[dict], s
 def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[dict]:
     """Notes the fastest step time (ETTR's ideal) and moves the open recovery along: the restarted
     incarnation's first step, then the fault's step again. Returns the recovery's figures once caught up."""
-    step, step_time, now = seen.get("step"), seen.get("step_time"), time.time()
+    step, step_time = seen.get("step"), seen.get("step_time")
+    now = seen.get("seen", time.time())  # when its node saw the step, not when its heartbeat came
     if step_time and step_time > 0:
         rec.ideal_step_s = min(step_time, rec.ideal_step_s or step_time)  # the fastest step seen is the ideal one
     recovery = rec.recovery
@@ -52,6 +53,8 @@ def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[di
         t.step = max(t.step, t.restored_step)  # the fault's step came from a heartbeat up to an interval stale
     if step < t.step:
         return None
+    # A heartbeat shows the newest step: the fault's step was reached `step - t.step` steps before it.
+    now = max(t.resumed, now - (step - t.step) * (step_time or 0.0))
     diagnosed = t.detected if t.diagnosed is None else t.diagnosed
     phases = {"detection_s": t.detected - t.occurred, "diagnosis_s": diagnosed - t.detected,
               "restart_s": t.resumed - diagnosed, "catchup_s": now - t.resumed, "total_s": now - t.occurred}

@@ -85,3 +85,16 @@ def test_a_recovery_ends_when_the_next_incarnation_is_back_at_the_fault_step():
     assert done["total_s"] == pytest.approx(done["detection_s"] + done["diagnosis_s"] + done["restart_s"]
                                             + done["catchup_s"], abs=0.05)
     assert timings.mttr(rec) == done["total_s"]
+
+
+def test_a_recovery_is_timed_by_when_its_node_saw_the_steps_not_by_when_heartbeats_came():
+    rec, now = record(), time.time()
+    rec.incarnation = 2
+    rec.recovery = Recovery(crashed().fault, Timeline(occurred=now - 10, detected=now - 9, step=7, incarnation=1,
+                                                      diagnosed=now - 6))
+    views = {"n0": view("n0", 5, restored=4)}
+    assert timings.track(rec, views, {"step": 5, "seen": now - 3, "step_time": 0.5}) is None
+    assert rec.recovery.timeline.resumed == now - 3  # the first step, as its node saw it
+    # The next heartbeat shows step 9, seen 1 s ago: step 7, the fault's, came two 0.5 s steps before it.
+    done = timings.track(rec, views, {"step": 9, "seen": now - 1, "step_time": 0.5})
+    assert done["restart_s"] == 3.0 and done["catchup_s"] == 1.0 and done["total_s"] == 8.0
