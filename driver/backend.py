@@ -23,6 +23,8 @@ class NodeLaunch:
     env: dict[str, str] = field(default_factory=dict)
     network: str = "loopback"  # cluster.network: `emulated` puts each local node in a network namespace
     link_gbit: float = 2.0
+    standby: int = 0  # control.standby_ranks: warm rank processes per training node (ranks_per_node when idle)
+    ranks_per_node: int = 0
 
 
 @dataclass

@@ -53,26 +53,35 @@ def executor_pid(store: JobStore, node: str) -> int:
 
 
 def rank_procs(store: JobStore, node: str) -> list[psutil.Process]:
-    """The node's rank processes (children of its executor running a rank spec), by rank order."""
+    """The node's rank processes (children of its executor that are a rank), by rank order."""
     try:
         children = psutil.Process(executor_pid(store, node)).children()
     except psutil.Error:
         raise ChaosError(f"node {node} is not running") from None
-    ranks = []
-    for child in children:
-        try:
-            spec = next((a for a in child.cmdline() if a.endswith(".json") and "/incarnation-" in a), None)
-        except psutil.Error:
-            continue
-        if spec:
-            ranks.append((int(Path(spec).stem[4:]), child))
+    ranks = [(found[0], child) for child in children if (found := rank_of(child)) is not None]
     return [p for _, p in sorted(ranks, key=lambda t: t[0])]
 
 
+def rank_of(proc: psutil.Process) -> Optional[tuple[int, Path]]:
+    """(rank, its node's work directory) of a rank process: one started for a rank names its first spec
+    on its command line; a standby that became one (executor/standby.py) writes to the rank's log."""
+    try:
+        cmdline = proc.cmdline()
+        spec = next((a for a in cmdline if a.endswith(".json") and "/incarnation-" in a), None)
+        if spec:
+            return int(Path(spec).stem[4:]), Path(spec).parent.parent
+        if "--standby" in cmdline:
+            out = Path(os.readlink(f"/proc/{proc.pid}/fd/1"))
+            if out.name.startswith("rank") and out.name.endswith(".log") and out.name[4:-4].isdigit():
+                return int(out.name[4:-4]), out.parent
+    except (psutil.Error, OSError):
+        pass
+    return None
+
+
 def pick_rank(store: JobStore, node: str, rank: Optional[int]) -> psutil.Process:
-    procs = rank_procs(store, node)
-    for p in procs:
-        if rank is None or f"rank{rank}.json" in " ".join(p.cmdline()):
+    for p in rank_procs(store, node):
+        if rank is None or (rank_of(p) or (None,))[0] == rank:
             return p
     raise ChaosError(f"node {node} has no running rank{'' if rank is None else f' {rank}'}")
 
@@ -146,10 +155,12 @@ def _nan_loss(store: JobStore) -> str:
     slot = next((s for s in rec.slots("active") if s.index == rank // cfg.ranks_per_node), None)
     if slot is None:
         raise ChaosError(f"nan-loss: no active node holds the reporting rank {rank} now")
-    # The process's command line names its first incarnation's spec (an in-process restart keeps the
-    # process); the current one is beside it, in the same node's work directory.
-    first = next(a for a in pick_rank(store, slot.node, rank).cmdline() if a.endswith(f"rank{rank}.json"))
-    spec = Path(first).parent.parent / f"incarnation-{rec.incarnation}" / f"rank{rank}.json"
+    # The current incarnation's spec is in the rank's node's work directory (an in-process restart keeps the
+    # process, whose command line names its first one).
+    found = rank_of(pick_rank(store, slot.node, rank))
+    if found is None:
+        raise ChaosError(f"nan-loss: rank {rank} on {slot.node} is not running")
+    spec = found[1] / f"incarnation-{rec.incarnation}" / f"rank{rank}.json"
     try:
         progress = RankSpec.load(spec).progress_path
     except OSError:

@@ -47,7 +47,8 @@ class LocalBackend(Backend):
             work.mkdir(parents=True, exist_ok=True)
             argv = [sys.executable, "-m", "megascale.executor", "--job", self.launch.job, "--node", node,
                     "--redis", self.launch.redis_url, "--kafka", self.launch.kafka, "--work-dir", str(work),
-                    "--heartbeat-s", str(self.launch.heartbeat_s)]
+                    "--heartbeat-s", str(self.launch.heartbeat_s), "--standby", str(self.launch.standby),
+                    "--ranks-per-node", str(self.launch.ranks_per_node)]
             env = {**os.environ, **self.launch.env}
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every "node" is on this host
             if self.net is not None:

@@ -73,7 +73,8 @@ class Driver:
             return 0
         launch = NodeLaunch(job=self.job, redis_url=self.redis_url, kafka=self.kafka, run_dir=rec.run_dir,
                             heartbeat_s=self.cfg.control.heartbeat_s, env=self._node_env(),
-                            network=self.cfg.cluster.network, link_gbit=self.cfg.cluster.link_gbit)
+                            network=self.cfg.cluster.network, link_gbit=self.cfg.cluster.link_gbit,
+                            standby=self.cfg.control.standby_ranks, ranks_per_node=self.cfg.ranks_per_node)
         self.backend = self._backend or make_backend(self.cfg.cluster.backend, launch, self.store.r)
         self.pool = NodePool(self.backend, self.cfg)
         if not self._connect_kafka():

@@ -19,12 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-s", type=float, default=5.0)
     p.add_argument("--redis-grace-s", type=float, default=30.0,
                    help="exit (stopping the ranks) when Redis stays unreachable this long")
+    p.add_argument("--standby", type=int, default=0,
+                   help="warm rank processes to keep while this node's ranks train (control.standby_ranks)")
+    p.add_argument("--ranks-per-node", type=int, default=0, help="warm processes to keep while idle, with --standby")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # its reconnect noise; we log outages once
     return Executor(args.job, args.node, args.redis, args.kafka, args.work_dir, args.heartbeat_s,
-                    args.redis_grace_s).run()
+                    args.redis_grace_s, args.standby, args.ranks_per_node).run()
 
 
 if __name__ == "__main__":

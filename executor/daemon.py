@@ -46,6 +46,7 @@ from megascale.common.rankspec import RankSpec
 from megascale.rank import comm_env
 from .ranks import RankGroup, restarts_in_process
 from .selfcheck import SelfCheck, Worker, spawn
+from .standby import Standbys
 from .throttle import SlowRanks
 
 POLL_S = 0.25
@@ -58,7 +59,8 @@ LEAVE_TIMEOUT_S = 10.0
 
 class Executor:
     def __init__(self, job: str, node: str, redis_url: str, kafka: str, work_dir: Path, heartbeat_s: float = 5.0,
-                 redis_grace_s: float = 30.0):
+                 redis_grace_s: float = 30.0, standby: int = 0, ranks_per_node: int = 0):
+        """`standby`: warm rank processes to keep while this node's ranks train (`ranks_per_node` while idle)."""
         self.job, self.node, self.kafka = job, node, kafka
         self.work_dir = work_dir
         self.heartbeat_s, self.redis_grace_s = heartbeat_s, redis_grace_s
@@ -68,6 +70,7 @@ class Executor:
                                           **auth.redis_auth(redis_url))
         self.signer = auth.env_signer()  # heartbeats and metrics carry the job's HMAC
         self.group: Optional[RankGroup] = None
+        self.standbys = Standbys(work_dir, standby, ranks_per_node if standby else 0, settle_s=2 * heartbeat_s)
         self.slow = SlowRanks(self.redis, job, node)  # `megascale chaos slow-rank` faults on this node's ranks
         self.run_dir: Optional[Path] = None  # the job's, where ranks write their flight recorders
         self.background: Optional[tuple[int, SelfCheck]] = None  # a self-check beside the ranks, by command seq
@@ -104,6 +107,7 @@ class Executor:
                     self._execute(cmd)
                 self._report_background()
                 changed = self.group.poll() if self.group else False
+                self.standbys.refill(self._training())
                 self.slow.apply(self.group)
                 self._publish_metrics()
                 self._publish_timings()
@@ -121,6 +125,7 @@ class Executor:
                 self.background[1].kill()
             if self.worker:
                 self.worker.close()
+            self.standbys.close()
             self.slow.stop()
             if self.group and self.group.alive():
                 self.group.stop(STOP_GRACE_S, tick=self._heartbeat_if_due)
@@ -222,10 +227,18 @@ class Executor:
         for rank in args["ranks"]:  # files grow across incarnations: ship only what this one writes
             path = self._timings_path(rank)
             self._tail.offsets[path] = path.stat().st_size if path.exists() else 0
-        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env, kept)
+        self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env, kept, self.standbys)
         self.phase = "running"
         joined = f" ({len(kept)} in their processes)" if kept else ""
         return True, f"started ranks {args['ranks']} of incarnation {incarnation}{joined}"
+
+    def _training(self) -> Optional[bool]:
+        """For the standbys: True while this node's ranks train (restored, in their incarnation), False
+        while it has none (idle, a spare), None in between (starting, stopped for a recovery)."""
+        if self.group is None:
+            return False
+        running = self.phase == "running" and self.group.training() and self.group.restored_step() is not None
+        return True if running else None
 
     def _stop_ranks(self, args: dict) -> tuple[bool, str]:
         if args.get("selfcheck") and (self.worker is None or self.worker.proc.poll() is not None):

@@ -1,5 +1,7 @@
 """One rank of a job, as the executor starts it: `python -m megascale.executor.rank SPEC.json`.
 
+Or `python -m megascale.executor.rank --standby`: a warm process that waits to become a rank (standby()).
+
 Starts as every rank does (`megascale.rank.init_rank`, through the Redis rendezvous of this
 incarnation), then runs the engine's `train_rank`. Progress goes to a JSON-lines file the executor tails; errors go to
 stderr, which the executor scans.
@@ -104,6 +106,11 @@ class Orders:
 
 
 def main(argv: list[str]) -> int:
+    if argv == ["--standby"]:
+        spec_path = standby()
+        if spec_path is None:
+            return 0
+        argv = [spec_path]
     spec = RankSpec.load(argv[0])
     die_with_parent(spec.parent_pid)  # when the node dies, its ranks die with it
     from megascale.config import from_dict
@@ -124,6 +131,32 @@ def main(argv: list[str]) -> int:
         if path is None:
             return 0
         spec = RankSpec.load(path)
+
+
+def standby() -> Optional[str]:
+    """A warm process (executor/standby.py): does a new rank's imports, then waits for its first order and
+    becomes that rank (its log, its environment); the spec's path, or None once the executor is gone."""
+    die_with_parent(os.getppid())
+    import torch
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401  (what a rank's first backward imports)
+
+    import megascale.rank  # noqa: F401
+    import megascale.train  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    order = json.loads(line)
+    os.environ.update(order["env"])
+    if "OMP_NUM_THREADS" in order["env"]:  # read at torch's import in a new process: too late here
+        torch.set_num_threads(int(order["env"]["OMP_NUM_THREADS"]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    return order["spec"]
 
 
 def run_incarnation(spec: RankSpec, progress: Progress, orders: Optional[Orders] = None,

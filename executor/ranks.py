@@ -28,6 +28,7 @@ from megascale.common.messages import ErrorLine, RankState, RankStatus
 
 from . import log
 from megascale.common.rankspec import RankSpec
+from .standby import Standbys
 
 # Set to a script path to run it instead of the training entry point (tests: fake ranks).
 RANK_ENTRY_ENV = "MEGASCALE_RANK_ENTRY"
@@ -114,8 +115,9 @@ class RankGroup:
     """The ranks one `start` command asked for. `poll()` reports whether anything a heartbeat shows changed."""
 
     def __init__(self, work_dir: Path, spec: RankSpec, ranks: list[int], env: dict[str, str],
-                 kept: Optional[dict[int, RankProcess]] = None):
-        """`kept`: processes of the previous incarnation waiting for this one, by rank (in-process restart)."""
+                 kept: Optional[dict[int, RankProcess]] = None, standbys: Optional[Standbys] = None):
+        """`kept`: processes of the previous incarnation waiting for this one, by rank (in-process restart);
+        `standbys`: warm processes to take the other ranks' places before new ones are started."""
         self.incarnation = incarnation = spec.incarnation
         self.in_process = restarts_in_process(spec.config)
         self.dir = work_dir / f"incarnation-{incarnation}"
@@ -140,6 +142,12 @@ class RankGroup:
                     proc = kept[rank].proc
                     order(proc, {"op": "join", "spec": str(spec_path)})
                     log.info("incarnation %d: rank %d joins in its process (pid %d)", incarnation, rank, proc.pid)
+                elif standbys is not None and not os.environ.get(RANK_ENTRY_ENV) \
+                        and (proc := standbys.take()) is not None:  # type: ignore[assignment]
+                    order(proc, {"op": "join", "spec": str(spec_path), "log": str(log_path),
+                                 "env": {**env, **self._rank_env(rank, local_rank, len(ranks), spec.world_size)}})
+                    log.info("incarnation %d: rank %d starts in a standby process (pid %d)", incarnation, rank,
+                             proc.pid)
                 else:
                     proc = self._spawn(spec_path, out, rank, local_rank, len(ranks), spec.world_size, env)
             self.procs.append(RankProcess(rank, local_rank, proc, log_path, progress, log_offset=offset))
@@ -158,13 +166,15 @@ class RankGroup:
         argv = [sys.executable, entry] if entry else [sys.executable, "-m", "megascale.executor.rank"]
         proc = subprocess.Popen(argv + [str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.PIPE if self.in_process else subprocess.DEVNULL,
-                                env={**os.environ, **env, "RANK": str(rank), "LOCAL_RANK": str(local_rank),
-                                     "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local_world),
-                                     "MEGASCALE_INCARNATION": str(self.incarnation)})
+                                env={**os.environ, **env, **self._rank_env(rank, local_rank, local_world, world_size)})
         if proc.stdin is not None:
             os.set_blocking(proc.stdin.fileno(), False)  # a rank that stopped reading never blocks the executor
         log.info("incarnation %d: started rank %d (pid %d)", self.incarnation, rank, proc.pid)
         return proc
+
+    def _rank_env(self, rank: int, local_rank: int, local_world: int, world_size: int) -> dict[str, str]:
+        return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(local_world), "MEGASCALE_INCARNATION": str(self.incarnation)}
 
     def poll(self) -> bool:
         # Exit codes first: a rank seen exited here has had everything it wrote read in this same poll

@@ -169,6 +169,7 @@ class ControlConfig:
     heartbeat_s: float = 5.0
     dead_after_s: float = 15.0  # a node silent this long is declared dead (3 default heartbeat intervals)
     max_restarts: int = 3  # automatic rank restarts after a rank fails, before the job fails
+    standby_ranks: int = 1  # warm rank processes per training node, ranks_per_node on a spare (0 = off)
     start_timeout_s: float = 120.0  # for nodes to report in and ranks to start
     command_timeout_s: float = 60.0  # for an executor to acknowledge a command
     auto_recover: bool = True  # diagnose, evict and replace failed nodes by itself; False = a dead node pauses the job

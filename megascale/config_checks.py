@@ -162,6 +162,8 @@ def _validate_cluster(cfg: JobConfig) -> None:
                           "must be -1 (off), 0 (any free port) or a port")
     if ctl.max_restarts < 0:
         raise ConfigError(f"control.max_restarts={ctl.max_restarts}: must be >= 0")
+    if ctl.standby_ranks < 0:
+        raise ConfigError(f"control.standby_ranks={ctl.standby_ranks}: must be >= 0 (0 = no warm rank processes)")
     if not 1 <= ctl.straggler_evict_after <= 16:  # a finding keeps its last 16 confidences
         raise ConfigError(f"control.straggler_evict_after={ctl.straggler_evict_after}: must be 1 to 16 steps")
     if not 0.5 <= ctl.straggler_evict_confidence < 1:

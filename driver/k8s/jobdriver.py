@@ -88,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("job %s has an invalid config: %s", store.job, e)
         return 2
     launch = NodeLaunch(job=store.job, redis_url=args.redis, kafka=args.kafka, run_dir=rec.run_dir,
-                        heartbeat_s=cfg.control.heartbeat_s)
+                        heartbeat_s=cfg.control.heartbeat_s, standby=cfg.control.standby_ranks,
+                        ranks_per_node=cfg.ranks_per_node)
     kube = Kube(connect(args.kubeconfig), fence, PodCache(store.r, store.job))
     backend = KubernetesBackend(kube, args.namespace, args.name, launch, store.r,
                                 PodPolicy(frozenset(args.service_account), args.priority_class))

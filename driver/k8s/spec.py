@@ -250,7 +250,8 @@ def pod(cr: dict, node: str, launch: NodeLaunch, avoid_hosts: list[str], policy:
     operator's) keeps the scheduler from preempting executors for any pod that merely asks first."""
     spec, name = cr["spec"], cr["metadata"]["name"]
     args = ["-m", "megascale.executor", "--job", launch.job, "--node", node, "--redis", without_login(launch.redis_url),
-            "--kafka", launch.kafka, "--work-dir", WORK_DIR, "--heartbeat-s", f"{launch.heartbeat_s:g}"]
+            "--kafka", launch.kafka, "--work-dir", WORK_DIR, "--heartbeat-s", f"{launch.heartbeat_s:g}",
+            "--standby", str(launch.standby), "--ranks-per-node", str(launch.ranks_per_node)]
     env = [{"name": "MEGASCALE_NODE", "value": node},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": SECRETS_ENV, "value": f"{CREDENTIALS_DIR}/{SECRETS_FILE}"},  # the path, not the secrets

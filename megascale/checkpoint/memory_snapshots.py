@@ -7,9 +7,10 @@ The buffer holds one snapshot, so a rank waits for the keeper to have read the p
 the next, and takes none while a persisted checkpoint is still being written from it.
 
 `restore` takes the newest step every rank holds intact, in its own node's keeper (the buffer, or one of
-the keeper's copies of the rank's last two held snapshots) or as the replica its ring successor holds, if it is no older than the newest committed checkpoint; the ranks agree on it
-through rank 0, as on a committed checkpoint. Only onto the same layout and job settings (`digest`): any
-other resume restores from storage and reshards.
+the keeper's copies of the rank's last two held snapshots) or as the replica its ring successor holds,
+if it is no older than the newest committed checkpoint; the ranks agree on it through rank 0, as on a
+committed checkpoint. Only onto the same layout and job settings (`digest`): any other resume restores
+from storage and reshards.
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_executor_pod():
     cr = example()
     cr["spec"]["env"] = [{"name": "NCCL_IB_HCA", "value": "mlx5"}]
     launch = NodeLaunch(job=f"{NS}.gpt-nodes", redis_url="redis://r:1", kafka="k:2", run_dir=spec.RUN_DIR,
-                        heartbeat_s=5)
+                        heartbeat_s=5, standby=1, ranks_per_node=2)
     pod = spec.pod(cr, "n3", launch, ["m9", "m1"])
     meta, body = pod["metadata"], pod["spec"]
     assert meta["name"] == "gpt-nodes-n3" and meta["labels"][spec.NODE_LABEL] == "n3"
@@ -92,7 +92,8 @@ def test_executor_pod():
     container = body["containers"][0]
     assert container["command"] == ["python"] and container["args"][:2] == ["-m", "megascale.executor"]
     assert " ".join(container["args"][2:]) == (f"--job {NS}.gpt-nodes --node n3 --redis redis://r:1 --kafka k:2 "
-                                               f"--work-dir {spec.WORK_DIR} --heartbeat-s 5")
+                                               f"--work-dir {spec.WORK_DIR} --heartbeat-s 5 --standby 1 "
+                                               "--ranks-per-node 2")
     assert container["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "2"}
     assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in container["env"]
     assert body["tolerations"] == cr["spec"]["tolerations"] and body["automountServiceAccountToken"] is False

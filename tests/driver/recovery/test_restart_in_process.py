@@ -1,6 +1,7 @@
 """A real GPT job whose rank is killed (kill -9) recovers on the uninterrupted loss trajectory, with the
 surviving ranks restarted in their own processes (control.restart: in_process, the default) or as new
-processes (control.restart: process).
+processes (control.restart: process); the killed rank starts again in its node's warm standby process
+(control.standby_ranks, executor/standby.py).
 
 Real Redis, tansu, driver, executors and GPT ranks: tp2 inside each of 2 nodes, dp2 across them, a
 checkpoint every 4 steps. The losses of every step (a replayed step at its latest value) equal those of
@@ -11,11 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from megascale.cli import main
-from megascale.driver.chaos import rank_procs
+from megascale.driver.chaos import executor_pid, rank_of, rank_procs
 from megascale.driver.state import JobState
 
 from control_plane_support import cli, launch
@@ -43,6 +45,12 @@ def job_config(tmp_path: Path, name: str, restart: str | None = None) -> str:
     return str(path)
 
 
+def standbys(job, node: str) -> list[int]:
+    """The node's warm standby processes that are no rank yet."""
+    children = psutil.Process(executor_pid(job.store, node)).children()
+    return [c.pid for c in children if "--standby" in c.cmdline() and rank_of(c) is None]
+
+
 def losses(metrics_file: Path) -> dict[int, float]:
     """Step -> loss; a step replayed after a restart keeps its latest value."""
     return {m["step"]: m["loss"] for m in map(json.loads, metrics_file.read_text().splitlines())}
@@ -66,11 +74,14 @@ def test_a_killed_rank_recovers_on_the_uninterrupted_trajectory(restart, uninter
     job = launch(capsys, job_config(tmp_path, "gpt-ip", restart), "gpt-ip")
     pids = lambda: {node: [p.pid for p in rank_procs(job.store, node)] for node in ("n0", "n1")}  # noqa: E731
     wait(lambda: (job.status().get("step") or 0) >= 6, 120, "training to pass step 6")
+    (warm,) = wait(lambda: standbys(job, "n1"), 60, "n1's standby process")
     before = pids()
     cli(capsys, "chaos", "gpt-ip", "kill-rank", "--node", "n1", "--rank", "3")
     wait(lambda: job.status().get("incarnation") == 2 and job.state() == JobState.RUNNING, 120,
          "the restart after the killed rank")
-    after = pids()
+    # A standby is a rank once it has read its order (its log is then the rank's).
+    after = wait(lambda: next((found for found in [pids()] if all(len(r) == 2 for r in found.values())), None), 30,
+                 "every node's two ranks")
 
     final = wait(job.ended, 120, "the job to finish")
     assert final["state"] == JobState.SUCCEEDED.value and final["step"] == STEPS, final
@@ -79,9 +90,10 @@ def test_a_killed_rank_recovers_on_the_uninterrupted_trajectory(restart, uninter
     assert recovery["kind"] == "rank_failed" and recovery["step"] - recovery["restored_step"] <= 4, recovery
     if restart == "in_process":  # rank 3, killed, is the only new process
         assert after["n0"] == before["n0"] and after["n1"][0] == before["n1"][0], (before, after)
-        assert after["n1"][1] != before["n1"][1], (before, after)
+        assert after["n1"][1] == warm, (before, after, warm)  # the standby became rank 3
     else:
         assert not set(before["n0"] + before["n1"]) & set(after["n0"] + after["n1"]), (before, after)
+        assert warm in after["n1"], (after, warm)  # one of n1's new ranks
     recovered = losses(Path(job.refresh().run_dir) / "metrics.jsonl")
     assert sorted(recovered) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
