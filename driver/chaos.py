@@ -62,6 +62,22 @@ def rank_procs(store: JobStore, node: str) -> list[psutil.Process]:
     return [p for _, p in sorted(ranks, key=lambda t: t[0])]
 
 
+def standby_pids(store: JobStore, node: str) -> list[int]:
+    """The node's warm standby processes (executor/standby.py) that are no rank yet."""
+    try:
+        children = psutil.Process(executor_pid(store, node)).children()
+    except psutil.Error:
+        raise ChaosError(f"node {node} is not running") from None
+    found = []
+    for child in children:
+        try:
+            if "--standby" in child.cmdline() and rank_of(child) is None:
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def rank_of(proc: psutil.Process) -> Optional[tuple[int, Path]]:
     """(rank, its node's work directory) of a rank process: one started for a rank names its first spec
     on its command line; a standby that became one (executor/standby.py) writes to the rank's log."""

@@ -11,7 +11,8 @@ each kind, each once the job trains again and its spare reports:
   freeze-node    SIGSTOP of a whole node, executor first, then every process under it (silent: declared dead,
                  a spare takes its place); thawed once replaced, so its processes see the stop they were sent
 
-`--quick` (the test): kill-rank and nan-loss. Per fault, the driver's own timeline of its recoveries
+Before each fault, every node has its warm standby processes (control.standby_ranks), as in a job that has
+trained a while. `--quick` (the test): kill-rank and nan-loss. Per fault, the driver's own timeline of its recoveries
 (driver/recovery/timings.py): detect, diagnose, restart, catch-up (back at the step of the fault), steps
 replayed; time lost is fault to caught up. Then an uninterrupted `megascale train` of the same job to the same
 step: every step's final loss must equal it.
@@ -30,7 +31,8 @@ from pathlib import Path
 import psutil
 
 from megascale.bench import BenchFailed
-from megascale.driver.chaos import executor_pid
+from megascale.config import from_dict
+from megascale.driver.chaos import ChaosError, executor_pid, standby_pids
 from megascale.driver.state import JobState
 
 from .recovery import wait_for
@@ -56,6 +58,19 @@ def _settled(soak: Soak, recoveries_before: int) -> list[dict]:
     settled = (bool(done) and status.get("state") == JobState.RUNNING.value
                and (status.get("step") or 0) >= done[-1]["step"] + 2 and all(n["alive"] for n in spares))
     return done if settled else []
+
+
+def _warm(soak: Soak) -> bool:
+    """Whether every node has its warm standby processes (executor/standby.py), as a settled job has:
+    control.standby_ranks on an active node, ranks_per_node on a spare."""
+    rec = soak.store.load()
+    cfg = from_dict(rec.config)
+    per_node = cfg.control.standby_ranks
+    try:
+        return all(len(standby_pids(soak.store, slot.node)) >= (per_node if role == "active" else cfg.ranks_per_node)
+                   for role in ("active", "spare") for slot in rec.slots(role)) if per_node else True
+    except ChaosError:  # a node between its executors
+        return False
 
 
 def _node_at(soak: Soak, index: int) -> str:
@@ -86,6 +101,7 @@ def inject_each(soak: Soak, faults: list[tuple[str, int | None]]) -> list[dict]:
     """One fault of each kind in turn, each once the previous one's recovery settled; its recoveries' timelines."""
     injected = []
     for kind, index in faults:
+        wait_for(lambda: _warm(soak), RECOVERY_TIMEOUT_S, "every node's standby processes")
         node = _node_at(soak, index) if index is not None else None
         before = len(soak.status().get("recoveries", []))
         frozen: list[psutil.Process] = []

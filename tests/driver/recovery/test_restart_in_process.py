@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
 from megascale.cli import main
-from megascale.driver.chaos import executor_pid, rank_of, rank_procs
+from megascale.driver.chaos import rank_procs, standby_pids
 from megascale.driver.state import JobState
 
 from control_plane_support import cli, launch
@@ -45,12 +44,6 @@ def job_config(tmp_path: Path, name: str, restart: str | None = None) -> str:
     return str(path)
 
 
-def standbys(job, node: str) -> list[int]:
-    """The node's warm standby processes that are no rank yet."""
-    children = psutil.Process(executor_pid(job.store, node)).children()
-    return [c.pid for c in children if "--standby" in c.cmdline() and rank_of(c) is None]
-
-
 def losses(metrics_file: Path) -> dict[int, float]:
     """Step -> loss; a step replayed after a restart keeps its latest value."""
     return {m["step"]: m["loss"] for m in map(json.loads, metrics_file.read_text().splitlines())}
@@ -74,7 +67,7 @@ def test_a_killed_rank_recovers_on_the_uninterrupted_trajectory(restart, uninter
     job = launch(capsys, job_config(tmp_path, "gpt-ip", restart), "gpt-ip")
     pids = lambda: {node: [p.pid for p in rank_procs(job.store, node)] for node in ("n0", "n1")}  # noqa: E731
     wait(lambda: (job.status().get("step") or 0) >= 6, 120, "training to pass step 6")
-    (warm,) = wait(lambda: standbys(job, "n1"), 60, "n1's standby process")
+    (warm,) = wait(lambda: standby_pids(job.store, "n1"), 60, "n1's standby process")
     before = pids()
     cli(capsys, "chaos", "gpt-ip", "kill-rank", "--node", "n1", "--rank", "3")
     wait(lambda: job.status().get("incarnation") == 2 and job.state() == JobState.RUNNING, 120,
