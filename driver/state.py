@@ -142,7 +142,7 @@ class JobRecord:
     cleaned: bool = False  # terminal state's nodes have been stopped
     created: float = field(default_factory=time.time)
     recoveries: list[dict] = field(default_factory=list)  # finished ones' MTTR phases (driver/recovery/timings.py)
-    ideal_step_s: Optional[float] = None  # fastest typical step seen, for ETTR
+    step_times: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds) of the newest, for ETTR
     dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
     checking: dict[str, BackgroundCheck] = field(default_factory=dict)  # node -> its self-check in the background
 

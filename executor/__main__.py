@@ -6,6 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
+from megascale.config import ControlConfig
+
 from .daemon import Executor
 
 
@@ -16,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis", required=True, help="redis://host:port of the job's control plane")
     p.add_argument("--kafka", required=True, help="Kafka bootstrap servers, host:port[,host:port]")
     p.add_argument("--work-dir", required=True, type=Path, help="this node's logs and rank files")
-    p.add_argument("--heartbeat-s", type=float, default=5.0)
+    p.add_argument("--heartbeat-s", type=float, default=ControlConfig.heartbeat_s)
     p.add_argument("--redis-grace-s", type=float, default=30.0,
                    help="exit (stopping the ranks) when Redis stays unreachable this long")
     p.add_argument("--standby", type=int, default=0,

@@ -43,6 +43,7 @@ from megascale.common.messages import (
 from . import log
 from .host import host_metrics, identity
 from megascale.common.rankspec import RankSpec
+from megascale.config import ControlConfig
 from megascale.rank import comm_env
 from .ranks import RankGroup, restarts_in_process
 from .selfcheck import SelfCheck, Worker, spawn
@@ -58,7 +59,8 @@ LEAVE_TIMEOUT_S = 10.0
 
 
 class Executor:
-    def __init__(self, job: str, node: str, redis_url: str, kafka: str, work_dir: Path, heartbeat_s: float = 5.0,
+    def __init__(self, job: str, node: str, redis_url: str, kafka: str, work_dir: Path,
+                 heartbeat_s: float = ControlConfig.heartbeat_s,
                  redis_grace_s: float = 30.0, standby: int = 0, ranks_per_node: int = 0):
         """`standby`: warm rank processes to keep while this node's ranks train (`ranks_per_node` while idle)."""
         self.job, self.node, self.kafka = job, node, kafka

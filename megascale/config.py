@@ -166,14 +166,19 @@ class ClusterConfig:
 @dataclass
 class ControlConfig:
     """Timings of the control plane (`megascale run`): heartbeats, failure detection, restarts."""
-    heartbeat_s: float = 5.0
-    dead_after_s: float = 15.0  # a node silent this long is declared dead (3 default heartbeat intervals)
+    heartbeat_s: float = 2.0
+    # A node silent this long is declared dead (3 heartbeat intervals); while no node at all is heard, the
+    # broker or the way to it is the likelier cause, and the limit is 3x this (driver/recovery/detection.py).
+    dead_after_s: float = 6.0
     max_restarts: int = 3  # automatic rank restarts after a rank fails, before the job fails
     standby_ranks: int = 1  # warm rank processes per training node, ranks_per_node on a spare (0 = off)
     start_timeout_s: float = 120.0  # for nodes to report in and ranks to start
     command_timeout_s: float = 60.0  # for an executor to acknowledge a command
     auto_recover: bool = True  # diagnose, evict and replace failed nodes by itself; False = a dead node pauses the job
     hang_after_s: float = 120.0  # heartbeats arrive but the step has not advanced this long: a hang (0 = off)
+    # ... or for this many of the slowest of the recent step intervals, once there are some, if sooner (never
+    # sooner than dead_after_s; 0 = hang_after_s only). A step that takes 10x its recent worst is stuck.
+    hang_after_steps: float = 10.0
     selfcheck: bool = True  # self-check the nodes a fault points at (driver/recovery/selfcheck.py)
     selfcheck_checks: str = "gemm"  # comma-separated `megascale diagnose --checks`
     selfcheck_budget_s: float = 30.0  # per node

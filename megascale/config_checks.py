@@ -156,6 +156,9 @@ def _validate_cluster(cfg: JobConfig) -> None:
                           f"must be at least twice control.heartbeat_s={ctl.heartbeat_s}")
     if ctl.hang_after_s < 0:
         raise ConfigError(f"control.hang_after_s={ctl.hang_after_s}: must be >= 0 (0 turns hang detection off)")
+    if ctl.hang_after_steps and ctl.hang_after_steps < 2:
+        raise ConfigError(f"control.hang_after_steps={ctl.hang_after_steps}: must be 0 (off) or at least 2 step "
+                          "intervals (a slow step is not a hang)")
     _positive("control.selfcheck_budget_s", ctl.selfcheck_budget_s)
     if ctl.prometheus_port < -1 or ctl.prometheus_port > 65535:
         raise ConfigError(f"control.prometheus_port={ctl.prometheus_port}: "

@@ -179,7 +179,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     reporting rank appends metrics.jsonl (with val_loss and val_ppl after a validation, eval.every)
     and calls `on_step(stats)`; TensorBoard and W&B logs go beside them (experiment_log.py).
     `on_start(step)` learns the step training starts from (a restored checkpoint's, else 0);
-    `on_wait(what)` what training is blocked on outside a step (a checkpoint persisting), then
+    `on_wait(what)` what training is blocked on outside a step (a checkpoint persisting, a validation), then
     `on_wait(None)`."""
     from megascale.checkpoint import Checkpointer
     from megascale.evaluate import Evaluator, make_eval_source
@@ -235,7 +235,11 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                 log.info("step %d loss %.4f grad_norm %.3f lr %.3g %.3fs %.0f tok/s", stats["step"], stats["loss"],
                          stats["grad_norm"], stats["lr"], stats["step_time"], stats["tokens_per_s"])
             if evaluator and evaluator.due(stats["step"]):
+                if on_wait is not None:  # a validation can outlast many steps: not a hang (driver/recovery/hang.py)
+                    on_wait(f"validation after step {stats['step']}")
                 stats.update(evaluator.evaluate())
+                if on_wait is not None:
+                    on_wait(None)
                 log.info("step %d val_loss %.4f val_ppl %.2f (%.2fs)", stats["step"], stats["val_loss"],
                          stats["val_ppl"], stats["val_time"])
             history.append(stats)

@@ -19,7 +19,7 @@ import yaml
 
 from megascale.common.auth import SECRETS_ENV
 from megascale.config import RUN_DIR as RUN_DIR_PLACEHOLDER
-from megascale.config import ConfigError, JobConfig, from_dict
+from megascale.config import ConfigError, ControlConfig, JobConfig, from_dict
 
 from ..backend import NodeLaunch
 from . import gang, hardware
@@ -53,13 +53,14 @@ SECRETS_DIR = "/var/run/megascale/secrets"
 ALLOW_JOBS_LABEL = "megascale.io/allow-jobs"
 
 # spec.policy field -> (control.* field, default). Pods start slower than local processes (image
-# pulls, scheduling), hence a longer start timeout than `megascale run`'s.
+# pulls, scheduling), hence a longer start timeout than `megascale run`'s; the rest are `megascale run`'s.
+_CONTROL = ControlConfig()
 POLICY = {
-    "heartbeatSeconds": ("heartbeat_s", 5.0),
-    "deadAfterSeconds": ("dead_after_s", 15.0),
-    "maxRestarts": ("max_restarts", 3),
+    "heartbeatSeconds": ("heartbeat_s", _CONTROL.heartbeat_s),
+    "deadAfterSeconds": ("dead_after_s", _CONTROL.dead_after_s),
+    "maxRestarts": ("max_restarts", _CONTROL.max_restarts),
     "startTimeoutSeconds": ("start_timeout_s", 600.0),
-    "commandTimeoutSeconds": ("command_timeout_s", 60.0),
+    "commandTimeoutSeconds": ("command_timeout_s", _CONTROL.command_timeout_s),
 }
 
 # Config fields the spec owns, by the spec field an error should name.

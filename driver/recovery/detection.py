@@ -21,6 +21,7 @@ from .selfcheck import HARDWARE_ERROR, hardware
 
 # Error lines that mean the rank is broken even before it exits (a hung NCCL watchdog may never exit).
 FATAL_ERRORS = {"hardware_error", "nccl_timeout", "cuda_error", "oom"}
+ALL_SILENT_FACTOR = 3  # x control.dead_after_s: how long a node may be silent while every node is (a broker restart)
 
 
 def detect_faults(rec: JobRecord, views: dict[str, NodeView], silence: Callable[[str], float],
@@ -121,7 +122,16 @@ class Liveness:
         return self._exited
 
     def gone(self, node: str) -> bool:
-        return node in self.exited() or self.silence(node) > silence_limit(node, self.views, self.cfg)
+        if node in self.exited():
+            return True
+        limit = silence_limit(node, self.views, self.cfg)
+        if self.nobody_heard():  # the broker, or the way to it, is down likelier than every node at once
+            limit = max(limit, ALL_SILENT_FACTOR * self.cfg.control.dead_after_s)
+        return self.silence(node) > limit
+
+    def nobody_heard(self) -> bool:
+        """No node heard from within control.dead_after_s."""
+        return bool(self.views) and all(self.silence(node) > self.cfg.control.dead_after_s for node in self.views)
 
     def reporting(self, node: str) -> bool:
         view = self.views.get(node)

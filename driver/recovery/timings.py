@@ -6,11 +6,14 @@ first step), `catchup_s` (-> back at the step of the fault), `steps_lost` (steps
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Optional
 
 from ..ingest import NodeView
 from ..state import Fault, JobRecord, Timeline
+
+TYPICAL_OVER = 64  # the newest steps whose median time is ETTR's ideal step
 
 
 def start(rec: JobRecord, fault: Fault, step: int, chaos: Optional[dict], silence: Callable[[str], float],
@@ -36,12 +39,12 @@ def _occurred(rec: JobRecord, fault: Fault, now: float, chaos: Optional[dict], s
 
 
 def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[dict]:
-    """Notes the fastest step time (ETTR's ideal) and moves the open recovery along: the restarted
+    """Notes the step's time (for ETTR's ideal step) and moves the open recovery along: the restarted
     incarnation's first step, then the fault's step again. Returns the recovery's figures once caught up."""
     step, step_time = seen.get("step"), seen.get("step_time")
     now = seen.get("seen", time.time())  # when its node saw the step, not when its heartbeat came
-    if step_time and step_time > 0:
-        rec.ideal_step_s = min(step_time, rec.ideal_step_s or step_time)  # the fastest step seen is the ideal one
+    if step_time and step_time > 0 and step is not None and (not rec.step_times or rec.step_times[-1][0] != step):
+        rec.step_times = [*rec.step_times[1 - TYPICAL_OVER:], (step, step_time)]
     recovery = rec.recovery
     t = recovery.timeline if recovery else None
     if recovery is None or t is None or step is None or t.incarnation == rec.incarnation:
@@ -78,7 +81,10 @@ def mttr(rec: JobRecord) -> Optional[float]:
 
 
 def ettr(rec: JobRecord, step: Optional[int]) -> Optional[float]:
-    """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time."""
-    if not step or not rec.ideal_step_s:
+    """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time. The ideal
+    iteration is the median of the newest ones: the fastest one seen, on a shared or noisy host, is an
+    outlier that no fault-free run sustains, and would put a fault-free ETTR far below 1."""
+    if not step or not rec.step_times:
         return None
-    return round(min(1.0, step * rec.ideal_step_s / max(1e-9, time.time() - rec.created)), 4)
+    typical = statistics.median(seconds for _, seconds in rec.step_times)
+    return round(min(1.0, step * typical / max(1e-9, time.time() - rec.created)), 4)

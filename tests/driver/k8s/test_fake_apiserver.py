@@ -85,7 +85,7 @@ def test_informer_relists_after_410_gone(admin, apiserver):
 def test_custom_resources_admission_generation_and_status_subresource(admin, apiserver):
     assert admin.apply_crd(crd()) == "created" and admin.apply_crd(crd()) == "replaced"
     created = admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs", job("j1"))
-    assert created["spec"]["policy"]["heartbeatSeconds"] == 5.0 and created["spec"]["paused"] is False  # defaults
+    assert created["spec"]["policy"]["heartbeatSeconds"] == 2.0 and created["spec"]["paused"] is False  # defaults
     with pytest.raises(ApiException) as e:
         admin.custom.create_namespaced_custom_object("megascale.io", "v1alpha1", NS, "trainingjobs",
                                                      job("j2", nodes=3))  # 3 x 1 != dp 2

@@ -98,3 +98,13 @@ def test_a_recovery_is_timed_by_when_its_node_saw_the_steps_not_by_when_heartbea
     # The next heartbeat shows step 9, seen 1 s ago: step 7, the fault's, came two 0.5 s steps before it.
     done = timings.track(rec, views, {"step": 9, "seen": now - 1, "step_time": 0.5})
     assert done["restart_s"] == 3.0 and done["catchup_s"] == 1.0 and done["total_s"] == 8.0
+
+
+def test_ettr_takes_the_median_step_as_ideal_not_the_fastest_outlier():
+    rec = record()
+    rec.created = time.time() - 100.0
+    for step, seconds in [(1, 0.3), (2, 1.0), (2, 1.0), (2, 1.0), (3, 1.0), (4, 1.1)]:  # step 2 seen thrice
+        timings.track(rec, {}, {"step": step, "step_time": seconds, "seen": time.time()})
+    assert [s for s, _ in rec.step_times] == [1, 2, 3, 4]
+    assert timings.ettr(rec, 90) == pytest.approx(0.9, abs=0.01)  # 90 steps x 1.0 s (median) in 100 s
+    assert timings.ettr(record(), 90) is None  # no step time seen yet
