@@ -111,6 +111,12 @@ def shutdown_rank(ctx: Optional[ParallelContext] = None) -> None:
     """Leaves the job's process group, if this process joined one, and closes `ctx`'s flight recorder."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    else:
+        # An init_process_group cut short (an in-process restart's order to leave, in the rendezvous) took its
+        # group's name from torch's counter without registering a group, and only destroy_process_group resets
+        # the counter. Left at 1, this process would name its next default group "1" where new processes say
+        # "0", and gloo's connection keys of the two would never meet: the next incarnation hangs at its start.
+        dist.distributed_c10d._world.group_count = 0
     recorder = ctx.tp.recorder if ctx is not None else None
     if recorder is not None:
         recorder.close()

@@ -149,23 +149,19 @@ class Soak:
         return list(found.values())
 
     def sample(self) -> dict:
-        kinds: dict[str, dict[str, float]] = {}
+        processes: dict[str, dict] = {}  # "pid@start time" (pids are reused) -> its kind and use
         for p in self.processes():
             try:
                 with p.oneshot():
                     cmdline = p.cmdline()
                     if not cmdline:  # a zombie between its exit and its parent's wait
                         continue
-                    kind, rss = process_kind(cmdline), p.memory_info().rss / 2**20
-                    fds, threads = p.num_fds(), p.num_threads()
+                    processes[f"{p.pid}@{p.create_time():.2f}"] = {
+                        "kind": process_kind(cmdline), "rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(),
+                        "threads": p.num_threads()}
             except psutil.Error:
                 continue
-            k = kinds.setdefault(kind, {"rss_mb": 0.0, "fds": 0, "threads": 0, "count": 0})
-            k["rss_mb"] += rss
-            k["fds"] += fds
-            k["threads"] += threads
-            k["count"] += 1
-        out = {"time": time.time(), "kinds": kinds, "shm_segments": len(os.listdir("/dev/shm"))}
+        out = {"time": time.time(), "processes": processes, "shm_segments": len(os.listdir("/dev/shm"))}
         try:
             out["redis_keys"] = self.store.r.dbsize()
             out["redis_rss_mb"] = psutil.Process(self.handle.redis_pid).memory_info().rss / 2**20
@@ -211,6 +207,26 @@ def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]]
         return None
     t, v = np.array(points).T
     return round(float(np.polyfit(t / 3600.0, v, 1)[0]), 2)
+
+
+def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float) -> dict[str, dict]:
+    """Per process kind, the steepest per-hour slope of `field` of any one process, fitted over its samples
+    after its own first `after_s` (its warm-up), and how many processes were sampled for `min_span_s` or more
+    after that. Summing a kind's processes instead counts those that faults start and end as leaks."""
+    lives: dict[str, list[dict]] = {}
+    for sample in samples:
+        for key, proc in sample.get("processes", {}).items():
+            lives.setdefault(key, []).append({"time": sample["time"], **proc})
+    out: dict[str, dict] = {}
+    for life in lives.values():
+        kind = out.setdefault(life[0]["kind"], {"worst": None, "processes": 0})
+        if life[-1]["time"] - life[0]["time"] - after_s < min_span_s:
+            continue
+        slope = slope_per_hour(life, lambda s: s[field], after_s)
+        if slope is not None:
+            kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
+            kind["processes"] += 1
+    return dict(sorted(out.items()))
 
 
 def step_time_drift(metrics: list[dict], warmup: int = 5) -> list[float]:
@@ -358,9 +374,10 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
                 else lost_seconds(soak.progress, fault["time"], step_s))
         fault["lost_s"] = lost
         by_kind.setdefault(fault["kind"], []).append(lost)
-    kinds = sorted({k for s in soak.samples for k in s["kinds"]})
     span = soak.samples[-1]["time"] - soak.samples[0]["time"] if soak.samples else 0.0
     after = 300.0 if span >= 600 else 60.0  # slopes after the first 5 minutes (1 in a short run)
+    lived = 600.0 if span >= 600 else 60.0  # ... of processes sampled this long after their own first `after`
+    per_process = {name: process_slopes(soak.samples, name, after, lived) for name in ("rss_mb", "fds", "threads")}
     return {
         "fault_interval_s": interval,
         "faults": len(injected),
@@ -373,12 +390,11 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
                                    if any(x is not None for x in v) else None} for k, v in sorted(by_kind.items())},
         "steps": max((m["step"] for m in metrics), default=0),
         "step_s_median": round(step_s, 3),
-        "rss_slope_mb_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {}).get("rss_mb"),
-                                                    after) for k in kinds},
-        "fds_slope_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {}).get("fds"), after)
-                               for k in kinds},
-        "threads_slope_per_hour": {k: slope_per_hour(soak.samples, lambda s, k=k: s["kinds"].get(k, {})
-                                                     .get("threads"), after) for k in kinds},
+        # per process kind, the steepest of any one long-lived process (process_slopes), and how many there were
+        "rss_slope_mb_per_hour": {k: v["worst"] for k, v in per_process["rss_mb"].items()},
+        "fds_slope_per_hour": {k: v["worst"] for k, v in per_process["fds"].items()},
+        "threads_slope_per_hour": {k: v["worst"] for k, v in per_process["threads"].items()},
+        "slope_processes": {k: v["processes"] for k, v in per_process["rss_mb"].items()},
         "shm_segments_slope_per_hour": slope_per_hour(soak.samples, lambda s: s["shm_segments"], after),
         "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after),
         "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.bench.soak import lost_seconds, process_kind, slope_per_hour, step_time_drift
+from megascale.bench.soak import lost_seconds, process_kind, process_slopes, slope_per_hour, step_time_drift
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
@@ -33,3 +33,19 @@ def test_process_kinds_name_modules_and_binaries():
     assert process_kind(["/venv/bin/python", "-m", "megascale.executor.rank", "spec.json"]) == "executor.rank"
     assert process_kind(["redis-server 127.0.0.1:6379"]) == "redis-server"
     assert process_kind(["/usr/lib/tansu-v0.6.0-510f3e2", "broker"]) == "tansu"
+
+
+def test_leak_slopes_are_per_process_so_processes_coming_and_going_are_not_leaks():
+    # Ranks: one long-lived and flat (200 MB), one growing 6 MB an hour; every 5 minutes a short-lived one
+    # of 900 MB comes and goes (a fault's new process). Summed per kind, those would look like a slope.
+    samples = []
+    for i in range(41):  # every 30 s for 20 minutes
+        procs = {"1@0": {"kind": "executor.rank", "rss_mb": 200.0, "fds": 30, "threads": 8},
+                 "2@0": {"kind": "executor.rank", "rss_mb": 300.0 + 0.05 * i, "fds": 30, "threads": 8}}
+        if i % 10 < 3:
+            procs[f"9@{i // 10}"] = {"kind": "executor.rank", "rss_mb": 900.0, "fds": 40, "threads": 9}
+        samples.append({"time": 30.0 * i, "processes": procs})
+    slopes = process_slopes(samples, "rss_mb", after_s=300, min_span_s=600)
+    assert slopes["executor.rank"]["processes"] == 2  # the short-lived ones are not fitted
+    assert slopes["executor.rank"]["worst"] == pytest.approx(6.0)  # the growing one: 0.05 MB per 30 s
+    assert process_slopes(samples, "fds", after_s=300, min_span_s=600)["executor.rank"]["worst"] == pytest.approx(0)
