@@ -301,6 +301,9 @@ class Executor:
             return True, json.dumps({})
         last, out = int(args.get("last", 64)), {}
         for p in self.group.procs:
+            if not p.running:  # its recorder, if any, is an earlier incarnation's: the driver would blame stale ops
+                out[str(p.rank)] = {"error": f"rank {p.rank} has no process group in this incarnation yet"}
+                continue
             try:
                 out[str(p.rank)] = [dataclasses.asdict(r)
                                     for r in read_records(self.run_dir / f"flight-rank{p.rank}.bin")[-last:]]

@@ -177,3 +177,25 @@ def test_a_step_older_than_hang_after_s_is_heartbeated_at_once(redis_server, bro
         proc.kill()
         proc.wait()
         reader.close()
+
+
+def test_flight_records_come_only_from_ranks_whose_process_group_is_up_in_this_incarnation(tmp_path):
+    """A rank still in its rendezvous has written nothing this incarnation: its recorder file is an earlier
+    one's, and the driver's localisation would blame the operations it was in then."""
+    from types import SimpleNamespace
+
+    from megascale.executor.daemon import Executor
+    from megascale.executor.ranks import RankProcess
+    from megascale.parallel.flight_recorder import FlightRecorder
+
+    recorder = FlightRecorder(tmp_path / "flight-rank0.bin")
+    recorder.begin("all_reduce", "tp:0", 2)
+    recorder.close()
+    procs = [RankProcess(rank, rank, None, tmp_path / "log", tmp_path / "progress", running=up)
+             for rank, up in ((0, True), (1, False))]
+    executor = Executor.__new__(Executor)
+    executor.group, executor.run_dir = SimpleNamespace(procs=procs), tmp_path
+    ok, detail = executor._flight({"last": 8})
+    records = json.loads(detail)
+    assert ok and [r["op"] for r in records["0"]] == ["all_reduce"]
+    assert records["1"] == {"error": "rank 1 has no process group in this incarnation yet"}
