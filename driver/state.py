@@ -142,7 +142,10 @@ class JobRecord:
     cleaned: bool = False  # terminal state's nodes have been stopped
     created: float = field(default_factory=time.time)
     recoveries: list[dict] = field(default_factory=list)  # finished ones' MTTR phases (driver/recovery/timings.py)
-    step_times: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds) of the newest, for ETTR
+    # ETTR's ideal step: seconds per step between the steps seen within an incarnation (the newest), and the last
+    # step seen: (incarnation, step, when its node saw it)
+    step_intervals: list[float] = field(default_factory=list)
+    last_seen_step: Optional[tuple[int, int, float]] = None
     dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
     checking: dict[str, BackgroundCheck] = field(default_factory=dict)  # node -> its self-check in the background
 

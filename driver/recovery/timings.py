@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from ..ingest import NodeView
 from ..state import Fault, JobRecord, Timeline
 
-TYPICAL_OVER = 64  # the newest steps whose median time is ETTR's ideal step
+TYPICAL_OVER = 64  # the newest seconds-per-step intervals whose median is ETTR's ideal step
 
 
 def start(rec: JobRecord, fault: Fault, step: int, chaos: Optional[dict], silence: Callable[[str], float],
@@ -43,8 +43,7 @@ def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[di
     incarnation's first step, then the fault's step again. Returns the recovery's figures once caught up."""
     step, step_time = seen.get("step"), seen.get("step_time")
     now = seen.get("seen", time.time())  # when its node saw the step, not when its heartbeat came
-    if step_time and step_time > 0 and step is not None and (not rec.step_times or rec.step_times[-1][0] != step):
-        rec.step_times = [*rec.step_times[1 - TYPICAL_OVER:], (step, step_time)]
+    _note_interval(rec, step, now)
     recovery = rec.recovery
     t = recovery.timeline if recovery else None
     if recovery is None or t is None or step is None or t.incarnation == rec.incarnation:
@@ -69,6 +68,19 @@ def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[di
     return done
 
 
+def _note_interval(rec: JobRecord, step: Optional[int], seen: float) -> None:
+    """Seconds per step since the last step seen in this incarnation. Not the steps' own step_time: a heartbeat
+    shows whichever step is newest, a long one more often than a short one, and a step's time leaves out what
+    comes between steps (snapshots, logging)."""
+    if step is None:
+        return
+    last = rec.last_seen_step
+    if last is not None and last[0] == rec.incarnation and step > last[1]:
+        rec.step_intervals = [*rec.step_intervals[1 - TYPICAL_OVER:], max(0.0, seen - last[2]) / (step - last[1])]
+    if last is None or (last[0], last[1]) != (rec.incarnation, step):
+        rec.last_seen_step = (rec.incarnation, step, seen)
+
+
 def summary(done: dict) -> str:
     return (f"recovered from {done['kind']} in {done['total_s']:.1f} s (detect {done['detection_s']:.1f}, "
             f"diagnose {done['diagnosis_s']:.1f}, restart {done['restart_s']:.1f}, catch up {done['catchup_s']:.1f}: "
@@ -82,9 +94,9 @@ def mttr(rec: JobRecord) -> Optional[float]:
 
 def ettr(rec: JobRecord, step: Optional[int]) -> Optional[float]:
     """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time. The ideal
-    iteration is the median of the newest ones: the fastest one seen, on a shared or noisy host, is an
-    outlier that no fault-free run sustains, and would put a fault-free ETTR far below 1."""
-    if not step or not rec.step_times:
+    iteration is the median of the newest seconds-per-step intervals (a recovery's long ones are the few):
+    the fastest step seen, on a shared or noisy host, is an outlier no fault-free run sustains."""
+    if not step or not rec.step_intervals:
         return None
-    typical = statistics.median(seconds for _, seconds in rec.step_times)
+    typical = statistics.median(rec.step_intervals)
     return round(min(1.0, step * typical / max(1e-9, time.time() - rec.created)), 4)

@@ -100,11 +100,16 @@ def test_a_recovery_is_timed_by_when_its_node_saw_the_steps_not_by_when_heartbea
     assert done["restart_s"] == 3.0 and done["catchup_s"] == 1.0 and done["total_s"] == 8.0
 
 
-def test_ettr_takes_the_median_step_as_ideal_not_the_fastest_outlier():
-    rec = record()
-    rec.created = time.time() - 100.0
-    for step, seconds in [(1, 0.3), (2, 1.0), (2, 1.0), (2, 1.0), (3, 1.0), (4, 1.1)]:  # step 2 seen thrice
-        timings.track(rec, {}, {"step": step, "step_time": seconds, "seen": time.time()})
-    assert [s for s, _ in rec.step_times] == [1, 2, 3, 4]
+def test_ettr_takes_the_median_seconds_per_step_as_ideal_not_the_fastest_step():
+    rec, now = record(), time.time()
+    rec.created = now - 100.0
+    # Steps as heartbeats show them (by when their node saw them): one a second, a 0.3 s step's own time
+    # aside, and a restart (incarnation 2, from step 5) whose 20 s gap is no interval of either incarnation.
+    for step, seen_s, step_time in [(1, 10, 0.3), (3, 12, 1.0), (3, 12, 1.0), (4, 13, 1.0), (6, 15, 1.0)]:
+        timings.track(rec, {}, {"step": step, "step_time": step_time, "seen": now - 100 + seen_s})
+    rec.incarnation = 2
+    for step, seen_s in [(5, 35), (7, 37.2)]:
+        timings.track(rec, {}, {"step": step, "step_time": 1.0, "seen": now - 100 + seen_s})
+    assert rec.step_intervals == [1.0, 1.0, 1.0, pytest.approx(1.1)]
     assert timings.ettr(rec, 90) == pytest.approx(0.9, abs=0.01)  # 90 steps x 1.0 s (median) in 100 s
-    assert timings.ettr(record(), 90) is None  # no step time seen yet
+    assert timings.ettr(record(), 90) is None  # no interval seen yet
