@@ -124,10 +124,11 @@ class Liveness:
     def gone(self, node: str) -> bool:
         if node in self.exited():
             return True
-        limit = silence_limit(node, self.views, self.cfg)
-        if self.nobody_heard():  # the broker, or the way to it, is down likelier than every node at once
-            limit = max(limit, ALL_SILENT_FACTOR * self.cfg.control.dead_after_s)
-        return self.silence(node) > limit
+        silent, limit = self.silence(node), silence_limit(node, self.views, self.cfg)
+        if silent <= limit:  # the common case: no look at every other node (gone() runs per node, per tick)
+            return False
+        # The broker, or the way to it, is down likelier than every node at once.
+        return not self.nobody_heard() or silent > max(limit, ALL_SILENT_FACTOR * self.cfg.control.dead_after_s)
 
     def nobody_heard(self) -> bool:
         """No node heard from within control.dead_after_s."""

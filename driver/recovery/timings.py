@@ -39,8 +39,9 @@ def _occurred(rec: JobRecord, fault: Fault, now: float, chaos: Optional[dict], s
 
 
 def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[dict]:
-    """Notes the step's time (for ETTR's ideal step) and moves the open recovery along: the restarted
-    incarnation's first step, then the fault's step again. Returns the recovery's figures once caught up."""
+    """Notes the seconds per step since the last step seen (ETTR's ideal step) and moves the open recovery
+    along: the restarted incarnation's first step, then the fault's step again. Returns the recovery's
+    figures once caught up."""
     step, step_time = seen.get("step"), seen.get("step_time")
     now = seen.get("seen", time.time())  # when its node saw the step, not when its heartbeat came
     _note_interval(rec, step, now)
