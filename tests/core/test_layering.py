@@ -5,6 +5,7 @@ folders (driver/, executor/, ...) into `megascale`; so the check runs on a copy 
 as it installs, found through the installed package itself."""
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import shutil
 import subprocess
@@ -46,3 +47,28 @@ def test_an_engine_module_importing_the_driver_breaks_the_contract(installed_tre
     (broken / "megascale" / "common" / "shortcut.py").write_text("from megascale.driver import reconcile\n")
     result = lint_imports(broken)
     assert result.returncode != 0 and "megascale.common.shortcut -> megascale.driver.reconcile" in result.stdout
+
+
+def installed_elsewhere(name: str) -> bool:
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
+    return spec is not None and spec.origin is not None  # a bare folder (tests/driver) is no package
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """`python -m ...` run from the repository root puts it on sys.path, where each mapped folder is a package
+    by its bare name: none may displace an installed package of that name (Hugging Face's `kernels`, which
+    transformers imports, did)."""
+    clashes = [name for name in MAPPED if installed_elsewhere(name)]
+    for name in clashes:
+        found = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.__file__)"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+        assert found.returncode == 0, found.stderr[-2000:]
+        assert not Path(found.stdout.strip()).resolve().is_relative_to(ROOT / name), f"{name}: {found.stdout}"
+
+
+def test_transformers_imports_from_the_repository_root():
+    pytest.importorskip("transformers")
+    imported = subprocess.run([sys.executable, "-c", "import transformers.models.llama.modeling_llama"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr[-2000:]
