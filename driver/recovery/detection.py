@@ -109,11 +109,12 @@ class Liveness:
         last = max(view.received if view else 0.0, self.started, self.born.get(node, 0.0))
         return time.monotonic() - last
 
-    def exited(self) -> set[str]:
+    def exited(self, fresh: bool = False) -> set[str]:
         """Nodes whose executor the backend reports gone (a killed process, a failed or deleted pod):
-        dead at once, without waiting out the heartbeat timeout. Asked every half heartbeat, at most once a second."""
+        dead at once, without waiting out the heartbeat timeout. Asked every half heartbeat, at most once a second;
+        `fresh` asks now (a decision that must not rest on a look from before the latest kill)."""
         now = time.monotonic()
-        if now - self._checked >= min(1.0, self.cfg.control.heartbeat_s / 2):
+        if fresh or now - self._checked >= min(1.0, self.cfg.control.heartbeat_s / 2):
             self._checked = now
             try:
                 self._exited = {n for n, info in self.backend.list().items() if not info.alive}

@@ -7,6 +7,7 @@ import time
 
 from megascale.common.messages import Heartbeat
 from megascale.config import from_dict
+from megascale.driver.backend import NodeInfo
 from megascale.driver.ingest import NodeView
 from megascale.driver.recovery import HangClock, Liveness
 from megascale.driver.state import JobRecord, NodeSlot
@@ -104,3 +105,20 @@ def test_a_silent_node_is_dead_after_dead_after_s_unless_no_node_is_heard_at_all
     assert liveness.nobody_heard() and not liveness.gone("n0") and not liveness.gone("n1")
     views["n0"] = view("n0", 19.0)  # ... but not for ever: 3 x dead_after_s
     assert liveness.gone("n0") and not liveness.gone("n1")
+
+
+class Processes:
+    def __init__(self):
+        self.alive = {"n0": True, "n1": True}
+
+    def list(self):
+        return {n: NodeInfo(n, alive, "h", "pid 1") for n, alive in self.alive.items()}
+
+
+def test_an_executor_exit_is_seen_within_a_second_and_at_once_when_asked_fresh():
+    processes = Processes()
+    liveness = Liveness({"n0": view("n0", 0.0), "n1": view("n1", 0.0)}, processes, config())
+    assert liveness.exited() == set()
+    processes.alive["n0"] = False  # kill -9 of n0's executor, right after the last look
+    assert liveness.exited() == set() and not liveness.gone("n0")  # the look is cached for up to 1 s ...
+    assert liveness.exited(fresh=True) == {"n0"} and liveness.gone("n0")  # ... `resume` does not rely on it
