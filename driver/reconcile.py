@@ -53,6 +53,7 @@ class Driver:
         self.hangs = HangClock()
         self.recoverer = Recoverer(self)
         self._final_step: Optional[int] = None  # the job's last step, for ETTR once its ranks are gone
+        self._resume_looked = False  # one fresh look at exited executors per resume, not one per waiting tick
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -251,7 +252,11 @@ class Driver:
                 rec.phase, rec.waiting = Phase.IDLE, {}
             return
         if desired != "running":
+            self._resume_looked = False
             return
+        if not self._resume_looked:  # an executor killed while paused, just before `resume`: not started again
+            self.liveness.exited(fresh=True)  # the cached look (≤ 1 s old) could predate the kill
+            self._resume_looked = True
         reason = self.recoverer.resume(rec)
         if reason is None:
             self.move(rec, JobState.INITIALIZING, "resumed")
@@ -303,6 +308,8 @@ class Driver:
 
     def move(self, rec: JobRecord, state: JobState, reason: str) -> None:
         previous = rec.move(state, reason)
+        if state is JobState.PAUSED:
+            self._resume_looked = False
         log.info("%s -> %s: %s", previous.value, state.value, reason)
         self.store.save(rec)
         self.event("state", f"{previous.value} -> {state.value}: {reason}", rec, previous=previous.value)

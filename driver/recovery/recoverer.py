@@ -171,7 +171,6 @@ class Recoverer:
         """Why a paused job cannot resume yet, or None. Under control.auto_recover its dead nodes are
         evicted for spares first; a position left unfilled takes a spare that has appeared since."""
         host = self.host
-        host.liveness.exited(fresh=True)  # a node killed while paused, just before `resume`: not started again
         dead = [s.node for s in rec.slots("active") if s.dead or host.liveness.gone(s.node)]
         if host.cfg.control.auto_recover:
             for node in dead:

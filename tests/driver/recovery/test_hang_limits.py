@@ -4,13 +4,15 @@ step intervals, a validation is not a hang, and a node is not declared dead whil
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from megascale.common.messages import Heartbeat
 from megascale.config import from_dict
 from megascale.driver.backend import NodeInfo
 from megascale.driver.ingest import NodeView
 from megascale.driver.recovery import HangClock, Liveness
-from megascale.driver.state import JobRecord, NodeSlot
+from megascale.driver.reconcile import Driver
+from megascale.driver.state import JobRecord, JobState, NodeSlot
 
 
 def config(**control):
@@ -84,9 +86,13 @@ def test_a_validation_holds_the_clock_for_the_ceiling_not_the_adaptive_limit():
     assert "control.hang_after_s" in fault.message
 
 
-class AllAlive:
+class Processes:
+    """A backend's executor list; every node alive until a test says otherwise."""
+    def __init__(self, alive: Optional[dict] = None):
+        self.alive = alive or {}
+
     def list(self):
-        return {}
+        return {n: NodeInfo(n, alive, "h", "pid 1") for n, alive in self.alive.items()}
 
 
 def view(node: str, silent_s: float) -> NodeView:
@@ -98,7 +104,7 @@ def view(node: str, silent_s: float) -> NodeView:
 def test_a_silent_node_is_dead_after_dead_after_s_unless_no_node_is_heard_at_all():
     cfg = config()
     views = {"n0": view("n0", 7.0), "n1": view("n1", 1.0)}
-    liveness = Liveness(views, AllAlive(), cfg)
+    liveness = Liveness(views, Processes(), cfg)
     liveness.started -= 60
     assert liveness.gone("n0") and not liveness.gone("n1")  # 7 s silent, 6 s allowed: n1 is heard
     views["n1"] = view("n1", 7.0)  # now nobody is heard: the broker, likelier than both nodes
@@ -107,18 +113,40 @@ def test_a_silent_node_is_dead_after_dead_after_s_unless_no_node_is_heard_at_all
     assert liveness.gone("n0") and not liveness.gone("n1")
 
 
-class Processes:
-    def __init__(self):
-        self.alive = {"n0": True, "n1": True}
-
-    def list(self):
-        return {n: NodeInfo(n, alive, "h", "pid 1") for n, alive in self.alive.items()}
-
-
 def test_an_executor_exit_is_seen_within_a_second_and_at_once_when_asked_fresh():
-    processes = Processes()
+    processes = Processes({"n0": True, "n1": True})
     liveness = Liveness({"n0": view("n0", 0.0), "n1": view("n1", 0.0)}, processes, config())
     assert liveness.exited() == set()
     processes.alive["n0"] = False  # kill -9 of n0's executor, right after the last look
     assert liveness.exited() == set() and not liveness.gone("n0")  # the look is cached for up to 1 s ...
     assert liveness.exited(fresh=True) == {"n0"} and liveness.gone("n0")  # ... `resume` does not rely on it
+
+
+class CountingLiveness:
+    def __init__(self):
+        self.fresh_looks = 0
+
+    def exited(self, fresh: bool = False):
+        self.fresh_looks += fresh
+        return set()
+
+
+class WaitingRecoverer:
+    def resume(self, rec):
+        return "waiting for the replacement node to report"
+
+
+def test_a_resumed_job_looks_afresh_at_exited_executors_once_per_resume_not_per_waiting_tick():
+    driver = Driver.__new__(Driver)  # only the paused state's parts: no Redis, no backend
+    driver.liveness, driver.recoverer = CountingLiveness(), WaitingRecoverer()
+    driver.event = lambda *args, **kwargs: None
+    driver._resume_looked = False
+    rec = record()
+    rec.state = JobState.PAUSED
+    for _ in range(5):  # `resume` asked; five ticks waiting for the replacement node (a Kubernetes list each)
+        driver._paused(rec, "running")
+    assert driver.liveness.fresh_looks == 1
+    driver._paused(rec, "paused")  # paused again, then resumed again: one more look
+    driver._paused(rec, "running")
+    driver._paused(rec, "running")
+    assert driver.liveness.fresh_looks == 2
