@@ -146,6 +146,7 @@ class Trainer:
 
     def close(self) -> None:
         self.source.close()
+        self.optimizer.close()
         gc.unfreeze()
         gc.enable()
 

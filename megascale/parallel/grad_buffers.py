@@ -50,8 +50,15 @@ class _Gradients:
         self.grad_shard, self.ctx, self.overlap = grad_shard, ctx, overlap
 
     def _register_hooks(self) -> None:
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._hook(i))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def close(self) -> None:
+        """Unhooks the parameters. A hook lives in C++ (the parameter's gradient accumulator), where the
+        garbage collector cannot see the cycle parameter -> hook -> self -> parameter: left hooked, an
+        in-process restart would keep every incarnation's model, buffers and process groups alive."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _shard_of(self, b: int) -> torch.Tensor:
         """This rank's slice of bucket `b` in the gradient shard."""

@@ -108,6 +108,10 @@ class DistributedOptimizer:
             partial = self.grad_shard[self.sequence_parallel_elements]
             self.grad_shard[self.sequence_parallel_elements] = all_reduce(partial, self.ctx.tp)
 
+    def close(self) -> None:
+        """Unhooks the parameters (see `close` in grad_buffers.py); the optimizer steps no more after it."""
+        self.gradients.close()
+
     # ---- parameters ------------------------------------------------------------------
 
     def _all_gather_params(self) -> None:
