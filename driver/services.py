@@ -6,7 +6,8 @@ emulated network, the bridge's address, so its nodes reach them) and free ports:
 stopped when the job's `run` exits. Redis keeps the job's state in an append-only file in the run
 directory (`<run_dir>/redis/`), so the supervisor can restart a crashed one on its port with nothing
 committed lost; the broker is memory-only (its topics carry nothing the job cannot do without:
-heartbeats, timings and events are re-sent or re-created).
+heartbeats, timings and events are re-sent or re-created), and it keeps every message it is sent, so
+past `services.broker_max_mb` the supervisor restarts it empty, as after a crash.
 
 A job's state file, `$MEGASCALE_HOME/jobs/<job>.json` (default ~/.megascale), holds where its
 services are, who supervises it and where its logs go; `status`, `pause`, `logs`... start there.
@@ -78,6 +79,13 @@ class EmbeddedKafka:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def rss_mb(self) -> float:
+        """Its resident memory: with memory storage, what every message it was ever sent adds up to."""
+        try:
+            return psutil.Process(self.proc.pid).memory_info().rss / 2**20 if self.alive() else 0.0
+        except psutil.Error:  # it exited meanwhile
+            return 0.0
+
     def restart(self) -> "EmbeddedKafka":
         self.stop(kill=True)
         return self.start()
@@ -90,6 +98,19 @@ class EmbeddedKafka:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def bound_broker_memory(services: "Services", handle: "JobHandle", max_mb: float) -> None:
+    """Restarts the embedded broker empty on its port once it holds more than `max_mb` (services.broker_max_mb):
+    with no retention in tansu, nothing else frees its messages. Clients take it as they take a crash."""
+    broker = services.broker
+    if broker is None or (held := broker.rss_mb()) <= max_mb:
+        return
+    log.warning("embedded Kafka holds %.0f MB, over services.broker_max_mb (%.0f; it keeps every message): "
+                "restarting it empty on port %d", held, max_mb, broker.port)
+    broker.restart()
+    handle.kafka_pid = broker.proc.pid
+    handle.save()
 
 
 @dataclass

@@ -28,7 +28,7 @@ from . import log
 from .backend import NodeLaunch, make_backend
 from megascale.common.processes import stop_process
 
-from .services import JobHandle, Services, start_services, stop_service
+from .services import JobHandle, Services, bound_broker_memory, start_services, stop_service
 from .state import TERMINAL, JobRecord, JobState, JobStore, status_view
 
 POLL_S = 0.5
@@ -132,6 +132,7 @@ class Supervisor:
         stop_requested_at: Optional[float] = None
         while True:
             self._restart_dead_services(services, handle)
+            bound_broker_memory(services, handle, self.cfg.services.broker_max_mb)
             try:
                 rec = store.load()
             except redis.ConnectionError as e:  # a restarted Redis still loading its log, or a brief outage

@@ -148,6 +148,9 @@ class CheckpointConfig:
 class ServicesConfig:
     redis: Optional[str] = None  # redis://host:port; None = embedded
     kafka: Optional[str] = None  # bootstrap servers; None = embedded
+    # The embedded broker holds every message in memory (tansu 0.6 has neither retention nor DeleteRecords):
+    # past this RSS the supervisor restarts it empty on its port, as after a crash. At least 64.
+    broker_max_mb: float = 1024.0
 
 
 @dataclass

@@ -9,6 +9,9 @@ from megascale.config import ConfigError, JobConfig, ModelConfig, ParallelismCon
 from megascale.elastic import shrunk_dp
 
 
+MIN_BROKER_MB = 64
+
+
 def _positive(where: str, value: int | float) -> None:
     if value <= 0:
         raise ConfigError(f"{where}={value}: must be > 0")
@@ -84,6 +87,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     except UnknownFilesystem as e:
         raise ConfigError(str(e)) from None
     _positive("checkpoint.keeper_idle_s", cfg.checkpoint.keeper_idle_s)
+    if cfg.services.broker_max_mb < MIN_BROKER_MB:  # a fresh tansu holds ~20 MB: less would restart it forever
+        raise ConfigError(f"services.broker_max_mb={cfg.services.broker_max_mb}: must be >= {MIN_BROKER_MB}")
     _positive("checkpoint.persist_timeout_s", cfg.checkpoint.persist_timeout_s)
     _positive("data.prefetch", cfg.data.prefetch)
     _positive("data.shuffle_window", cfg.data.shuffle_window)

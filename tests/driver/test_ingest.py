@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from kafka import KafkaProducer
 
 from megascale.driver.bus import ensure_topics
 from megascale.driver.ingest import HeartbeatIngest
+from megascale.driver.services import JobHandle, Services, bound_broker_memory
 from megascale.common.messages import Heartbeat, Metric, encode, topic
 
 
@@ -69,3 +71,26 @@ def test_ingestion_resumes_after_a_broker_restart(broker, wait):
     finally:
         ingest.stop()
         p.close()
+
+
+def test_a_broker_over_its_memory_bound_is_restarted_empty_on_its_port_and_clients_carry_on(broker, tmp_path):
+    handle = JobHandle(job="j", redis_url="", kafka=broker.bootstrap, run_dir=str(tmp_path), config_path="",
+                       supervisor_pid=os.getpid(), kafka_pid=broker.proc.pid)
+    services = Services("", broker.bootstrap, broker=broker)
+    first_pid, fresh_mb = broker.proc.pid, broker.rss_mb()
+    p = producer(broker)
+    for _ in range(400):  # 40 MB of timings nobody will ever read again: tansu keeps them all
+        p.send(topic("j", "metrics"), value=b"x" * 100_000)
+    p.flush()
+    held = broker.rss_mb()
+    assert held > fresh_mb + 30, (fresh_mb, held)
+    bound_broker_memory(services, handle, max_mb=held + 50)
+    assert broker.proc.pid == first_pid  # under its bound: left alone
+    bound_broker_memory(services, handle, max_mb=held - 20)
+    assert broker.proc.pid != first_pid and handle.kafka_pid == broker.proc.pid and broker.bootstrap == handle.kafka
+    assert broker.rss_mb() < held - 20
+    for seq in range(1, 4):  # the same producer reconnects to the same port
+        p.send(topic("j", "heartbeats"), key=b"n0", value=hb("n0", seq))
+    p.flush()
+    p.close()
+    assert JobHandle.load("j").kafka_pid == broker.proc.pid  # `megascale stop` finds the new pid
