@@ -43,6 +43,7 @@ from megascale.driver.state import JobState, JobStore
 JOB = "bench-soak"
 FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
           "kill-driver", "kill-redis", "restart-broker", "slow-rank", "nan-loss")
+FAULT_SETTLE_S = 60.0  # after an injection, steps slowed by the fault itself (step_time_drift leaves them out)
 LOSS_RTOL = 1e-5  # the recovery tests' tolerance: reference and job may use different thread counts per rank
 
 
@@ -229,8 +230,12 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
     return dict(sorted(out.items()))
 
 
-def step_time_drift(metrics: list[dict], warmup: int = 5) -> list[float]:
-    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%."""
+def step_time_drift(metrics: list[dict], warmup: int = 5,
+                    disturbed: tuple[tuple[float, float], ...] = ()) -> list[float]:
+    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
+    leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
+    steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is
+    for what builds up (garbage collection, leaks), not for what a fault does at once."""
     runs, current = [], []
     for m in metrics:
         if current and m["step"] != current[-1]["step"] + 1:
@@ -240,7 +245,8 @@ def step_time_drift(metrics: list[dict], warmup: int = 5) -> list[float]:
     runs.append(current)
     drifts = []
     for run in runs:
-        times = [m["step_time"] for m in run[warmup:]]
+        times = [m["step_time"] for m in run[warmup:]
+                 if not any(lo <= m.get("timings", {}).get("start", -1.0) < hi for lo, hi in disturbed)]
         if len(times) >= 50:
             tenth = len(times) // 10
             drifts.append(round(statistics.median(times[-tenth:]) / statistics.median(times[:tenth]), 3))
@@ -399,7 +405,9 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after),
         "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after),
         "heartbeat_lag_max": max((s["heartbeat_lag"] for s in soak.samples if "heartbeat_lag" in s), default=None),
-        "step_time_drift": step_time_drift(metrics),
+        "step_time_drift": step_time_drift(metrics, disturbed=tuple((f["time"], f["time"] + FAULT_SETTLE_S)
+                                                                    for f in injected)),
+        "step_time_drift_all_steps": step_time_drift(metrics),
         **losses,
         "leftovers": left,
         "injected": [{k: f[k] for k in ("kind", "done", "recoveries", "lost_s")} for f in injected],

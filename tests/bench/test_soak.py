@@ -23,6 +23,13 @@ def test_drift_is_per_incarnation_and_ignores_short_ones():
     assert step_time_drift(steady + slowing + short) == [1.0, pytest.approx(1.95 / 1.09, abs=0.01)]
 
 
+def test_drift_leaves_out_the_steps_a_fault_slowed_at_once():
+    # 1 step/s from t=0; a slow rank doubles steps 190-199 (the last tenth): that is the fault, not a build-up
+    run = [{"step": s, "step_time": 2.0 if s >= 190 else 1.0, "timings": {"start": float(s)}} for s in range(200)]
+    assert step_time_drift(run) == [2.0]
+    assert step_time_drift(run, disturbed=((189.5, 250.0),)) == [1.0]
+
+
 def test_slope_is_fitted_after_the_warm_up_in_units_per_hour():
     samples = [{"time": 1000.0 + 60 * i, "v": 100.0 + (50.0 if i < 5 else 0.01 * i)} for i in range(30)]
     assert slope_per_hour(samples, lambda s: s["v"], after_s=300) == pytest.approx(0.6)  # 0.01 per minute
