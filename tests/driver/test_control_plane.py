@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaAdminClient, KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 from megascale.driver.metrics.store import ParquetStore
 from megascale.common.processes import pid_alive
@@ -133,6 +133,11 @@ def test_broker_restart_and_junk_on_the_topics(tmp_path, capsys, wait):
         nodes = [n for n in job.status()["nodes"] if n["role"] != "evicted"]
         return all((n["last_heartbeat"] or 0) > killed + 0.5 for n in nodes)
     wait(fresh, 30, "heartbeats from every node through the restarted broker")
+    admin = KafkaAdminClient(bootstrap_servers=job.handle.kafka)
+    try:  # only the driver writes events: nobody else re-creates their topic (its producer spun on it before)
+        wait(lambda: "cp-bus.events" in admin.list_topics(), 10, "the driver to re-create its events topic")
+    finally:
+        admin.close()
     final = wait(job.ended, 90, "the job to end")
     assert final["state"] == "Succeeded" and final["restarts"] == 0, final
     log = Path(job.handle.run_dir, "driver.log").read_text()

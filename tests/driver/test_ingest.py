@@ -4,11 +4,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from types import SimpleNamespace
 
-from kafka import KafkaProducer
+from kafka import KafkaAdminClient, KafkaProducer
 
 from megascale.driver.bus import ensure_topics
 from megascale.driver.ingest import HeartbeatIngest
+from megascale.driver.reconcile import Driver
 from megascale.driver.services import JobHandle, Services, bound_broker_memory
 from megascale.common.messages import Heartbeat, Metric, encode, topic
 
@@ -94,3 +96,19 @@ def test_a_broker_over_its_memory_bound_is_restarted_empty_on_its_port_and_clien
     p.flush()
     p.close()
     assert JobHandle.load("j").kafka_pid == broker.proc.pid  # `megascale stop` finds the new pid
+
+
+def test_the_driver_re_creates_the_job_s_topics_once_its_heartbeat_reader_sees_a_broker_restart(broker):
+    driver = Driver.__new__(Driver)  # only the topic upkeep: no Redis, no nodes
+    driver.kafka, driver.job, driver._topics_for = broker.bootstrap, "j", 0
+    driver.ingest = SimpleNamespace(reader=SimpleNamespace(recreations=0))
+    broker.restart()  # memory storage: every topic gone; executors re-create theirs by producing, not "events"
+    driver._topics_after_a_broker_restart()
+    admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    try:
+        assert admin.list_topics() == []  # the reader has not seen the restart yet
+        driver.ingest.reader.recreations = 1
+        driver._topics_after_a_broker_restart()
+        assert sorted(admin.list_topics()) == ["j.events", "j.heartbeats", "j.metrics"]
+    finally:
+        admin.close()
