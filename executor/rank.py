@@ -181,12 +181,12 @@ def run_incarnation(spec: RankSpec, progress: Progress, orders: Optional[Orders]
         if fresh is not None:
             fresh.apply(ctx.device)
         progress.write({"state": "running"})
-        history = train_rank(ctx, cfg, spec.run_dir, on_step=progress.write,
+        last = train_rank(ctx, cfg, spec.run_dir, on_step=progress.write,
                              on_start=lambda step: progress.write({"restored_step": step}),
                              on_wait=lambda what: progress.write({"waiting": what, "since": time.time()}))
         if orders is not None:
             orders.leave()  # finishing: an order to leave now comes too late
-        progress.write({"state": "done", **({"step": history[-1]["step"]} if history else {})})
+        progress.write({"state": "done", **({"step": last["step"]} if last else {})})
         return None
     except BaseException as e:
         if orders is None:

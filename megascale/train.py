@@ -174,14 +174,15 @@ def layout_of(cfg: JobConfig) -> Layout:
 def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                on_step: Optional[Callable[[dict], None]] = None,
                on_start: Optional[Callable[[int], None]] = None,
-               on_wait: Optional[Callable[[Optional[str]], None]] = None) -> list[dict]:
+               on_wait: Optional[Callable[[Optional[str]], None]] = None) -> Optional[dict]:
     """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
     steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
     reporting rank appends metrics.jsonl (with val_loss and val_ppl after a validation, eval.every)
     and calls `on_step(stats)`; TensorBoard and W&B logs go beside them (experiment_log.py).
     `on_start(step)` learns the step training starts from (a restored checkpoint's, else 0);
     `on_wait(what)` what training is blocked on outside a step (a checkpoint persisting, a validation), then
-    `on_wait(None)`."""
+    `on_wait(None)`. Returns the last step's stats (None if it trained none): a job trains for weeks, and a
+    history of every step kept in memory grew every rank by ~1 KB a step."""
     from megascale.checkpoint import Checkpointer
     from megascale.evaluate import Evaluator, make_eval_source
     from megascale.experiment_log import ExperimentLog, check_wandb
@@ -222,7 +223,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         evaluator = Evaluator(trainer, eval_source) if eval_source else None
         experiment = started.enter_context(contextlib.closing(ExperimentLog(cfg, ctx.rank, ctx.device, run_dir,
                                                                             reporter)))
-        history = []
+        last = None
         metrics = started.enter_context(open(Path(run_dir) / "metrics.jsonl", "a")) if reporter else None
         timings = started.enter_context(open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a"))
         while trainer.step_index < cfg.train.steps:
@@ -243,7 +244,7 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                     on_wait(None)
                 log.info("step %d val_loss %.4f val_ppl %.2f (%.2fs)", stats["step"], stats["val_loss"],
                          stats["val_ppl"], stats["val_time"])
-            history.append(stats)
+            last = stats
             experiment.record(stats)
             if reporter:
                 metrics.write(json.dumps(stats) + "\n")
@@ -255,4 +256,4 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         if checkpointer:
             checkpointer.flush()  # the last checkpoint commits before the job reports success
         trainer.finish()
-    return history
+    return last

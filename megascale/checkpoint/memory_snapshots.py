@@ -24,6 +24,7 @@ import os
 import secrets
 import statistics
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Optional
 
 from megascale.checkpoint.client import HostBuffer, KeeperGone, KeeperLink
@@ -43,6 +44,7 @@ log = logging.getLogger("megascale.checkpoint")
 BUDGET = 0.02  # the share of training time snapshots may cost when the interval is left unset
 WARMUP_STEPS = 3  # not measured: the first steps allocate, compile and fill caches
 SAMPLES = 3  # snapshots measured (at interval 1) before an unset interval is decided
+TAKEN_KEPT = 100  # the newest snapshot steps remembered (tests and logs look at them)
 KEY_CONTEXT = b"megascale checkpoint replicas"
 
 
@@ -87,9 +89,9 @@ class MemorySnapshots:
         chosen = owner.cfg.checkpoint.memory_every
         self.explicit, self.every, self.decided = chosen is not None, chosen or 1, False
         self.reading: Optional[int] = None  # the step the keeper is still reading from the buffer
-        self.taken: list[int] = []  # steps snapshotted
+        # Bounded: a job snapshots for weeks. The measurements stop once the interval is decided.
+        self.taken: deque[int] = deque(maxlen=TAKEN_KEPT)  # the newest steps snapshotted
         self.copies: list[float] = []  # seconds each measured snapshot's copy blocked training
-        self.waits: list[float] = []  # seconds each snapshot waited for the keeper to read the previous one
         self.transfers: list[float] = []  # seconds the keeper took to checksum and send each
         self.step_times: list[float] = []  # seconds between snapshots' calls, without the checkpointer's own
         self.calls, self.left = 0, None
@@ -132,7 +134,7 @@ class MemorySnapshots:
         """After each step (`arrived`: when the checkpointer was called): a snapshot if one is due and no
         persisted checkpoint is still being written from the buffer; the interval once measured."""
         self.calls += 1
-        if self.left is not None and self.calls > WARMUP_STEPS:
+        if self.left is not None and self.calls > WARMUP_STEPS and not self.decided:
             self.step_times.append(arrived - self.left)
         if step % self.every == 0 and self.ck.pending is None:  # `pending` is the same on every rank
             self.snapshot(step)
@@ -156,8 +158,7 @@ class MemorySnapshots:
             ck._keeper_lost(str(e))
         except (CheckpointError, OSError) as e:  # this snapshot is lost; training goes on
             log.warning("rank %d: in-memory snapshot of step %d failed: %s: %s", self.rank, step, type(e).__name__, e)
-        if self.calls > WARMUP_STEPS:  # recorded on every rank alike, failed or not: `_decide` is collective
-            self.waits.append(waited)
+        if self.calls > WARMUP_STEPS and not self.decided:  # every rank alike, failed or not: `_decide` is collective
             self.copies.append(time.perf_counter() - started - waited)
 
     def _hold_message(self, step: int) -> dict:
@@ -168,7 +169,7 @@ class MemorySnapshots:
     def on_held(self, msg: dict) -> None:
         """The keeper's report on the snapshot it was reading (op "held", or "error")."""
         self.reading = None
-        if "seconds" in msg:
+        if "seconds" in msg and not self.decided:
             self.transfers.append(msg["seconds"])
         error = msg.get("error")
         if error and error != self.replica_error:
@@ -185,8 +186,8 @@ class MemorySnapshots:
 
     def _decide(self) -> None:
         """Collective: the interval, from what snapshots cost on the slowest rank after warm-up; rank 0 says so."""
-        self.decided = True
         self.settle()  # the last sample's transfer time
+        self.decided = True
         measured = [statistics.median(self.step_times) if self.step_times else 0.0, statistics.median(self.copies),
                     statistics.median(self.transfers) if self.transfers else 0.0]
         step_s, copy_s, transfer_s = (v / 1e6 for v in self.ck.comm.world_max([round(v * 1e6) for v in measured]))

@@ -50,7 +50,7 @@ def train_then_crash(ctx, cfg, out: str) -> None:
         if trainer.step_index == 2:
             assert checkpointer.flush() == 2  # committed before the next snapshot: the test is deterministic
     checkpointer.memory.settle()  # step 3 is in the peer's keeper
-    assert checkpointer.memory.taken == [1, 3]  # none while step 2 persisted from the buffer
+    assert list(checkpointer.memory.taken) == [1, 3]  # none while step 2 persisted from the buffer
     losses.append(trainer.step().loss)  # step 4: the crash comes before its snapshot
     if ctx.rank == 0:
         Path(out).write_text(json.dumps(losses))
@@ -245,12 +245,12 @@ def test_a_snapshot_costing_over_2_percent_lengthens_an_unset_interval_and_says_
                           caplog.text)
         assert found and float(found[1]) > 2 and int(found[3]) > 1, caplog.text
         every = checkpointer.memory.every
-        assert every == int(found[3]) and checkpointer.memory.taken[:6] == [1, 2, 3, 4, 5, 6]
-        assert all(step % every == 0 for step in checkpointer.memory.taken[6:])
+        assert every == int(found[3]) and list(checkpointer.memory.taken)[:6] == [1, 2, 3, 4, 5, 6]
+        assert all(step % every == 0 for step in list(checkpointer.memory.taken)[6:])
     else:  # set by the user: kept, with a warning
         assert re.search(r"checkpoint.memory_every: 1 costs [\d.]+% of a [\d.e-]+ s step, over the 2% budget "
                          r"\(\d+ would be within it\); kept as set", caplog.text), caplog.text
-        assert checkpointer.memory.taken == [1, 2, 3, 4, 5]
+        assert list(checkpointer.memory.taken) == [1, 2, 3, 4, 5]
 
 
 def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_peer_that_stopped_reading(tmp_path):
