@@ -238,12 +238,26 @@ def collateral(e: BaseException) -> bool:
 
 def release() -> None:
     """Frees what the incarnation left: its model, optimizer and buffers are garbage now (some in
-    reference cycles), and the device's cached blocks go back for a self-check or the next incarnation."""
+    reference cycles), the device's cached blocks go back for a self-check or the next incarnation, and
+    the host memory they held goes back to the system."""
     gc.collect()
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Returns freed heap memory to the system: glibc keeps it in its arenas for reuse, and in-process
+    incarnations reuse little of it. A 2-rank job of a 3.4M-parameter model grew each rank from 279 to
+    526 MB over 6 incarnations without this, from 179 to 229 MB over 14 with it. Not glibc: nothing to do."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class FreshState:
