@@ -12,9 +12,10 @@ step, tear the process groups down) and `{"op": "join", "spec": PATH}` (the next
 A rank that left says `{"state": "left"}` in its progress file; one whose incarnation failed under it
 (an exception: a peer died, a collective failed) prints the error as an exiting process would and
 says `{"state": "failed"}`. Either way it then waits for the next spec, keeping its interpreter,
-imports and device context, and rebuilds everything else: groups, model, optimizer and data from
-the newest checkpoint, RNG streams from the state a new process starts with. End of stdin (the
-executor is gone) ends it.
+imports, device context, model and optimizer (megascale.train.KeptTrainer: their allocations; the next
+incarnation restores the newest checkpoint into them), and makes anew its groups and data source, with
+its RNG streams put back to the state a new process starts with. End of stdin (the executor is gone)
+ends it.
 """
 from __future__ import annotations
 
@@ -28,10 +29,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from megascale.common.lifetime import die_with_parent
 from megascale.common.rankspec import Progress, RankSpec
+
+if TYPE_CHECKING:  # torch's import waits until a rank needs it (a standby does it before its order)
+    from megascale.train import KeptTrainer
 
 RESIGNAL_S = 0.2  # how often the main thread is signalled again until it has left (see Orders._interrupt)
 # A rank whose collective failed (a peer died, a connection broke) waits this long for the order to leave
@@ -114,15 +118,16 @@ def main(argv: list[str]) -> int:
     spec = RankSpec.load(argv[0])
     die_with_parent(spec.parent_pid)  # when the node dies, its ranks die with it
     from megascale.config import from_dict
+    from megascale.train import KeptTrainer
 
     if from_dict(spec.config).control.restart == "process":
         with contextlib.closing(Progress(spec.progress_path)) as progress:
             run_incarnation(spec, progress)
         return 0
-    orders, fresh = Orders(), FreshState()
+    orders, fresh, kept = Orders(), FreshState(), KeptTrainer()
     while True:
         with contextlib.closing(Progress(spec.progress_path)) as progress:
-            ended = run_incarnation(spec, progress, orders, fresh)
+            ended = run_incarnation(spec, progress, orders, fresh, kept)
             if ended is None:
                 return 0
             release()
@@ -160,7 +165,7 @@ def standby() -> Optional[str]:
 
 
 def run_incarnation(spec: RankSpec, progress: Progress, orders: Optional[Orders] = None,
-                    fresh: Optional["FreshState"] = None) -> Optional[str]:
+                    fresh: Optional["FreshState"] = None, kept: Optional["KeptTrainer"] = None) -> Optional[str]:
     """Trains in `spec`'s incarnation. Without `orders` (control.restart: process) an error ends the process.
     With them, returns "left" once the rank left the incarnation at the executor's order, "failed" once
     it failed under it (either way ready for the next one), None when it trained to the end."""
@@ -183,7 +188,8 @@ def run_incarnation(spec: RankSpec, progress: Progress, orders: Optional[Orders]
         progress.write({"state": "running"})
         last = train_rank(ctx, cfg, spec.run_dir, on_step=progress.write,
                              on_start=lambda step: progress.write({"restored_step": step}),
-                             on_wait=lambda what: progress.write({"waiting": what, "since": time.time()}))
+                             on_wait=lambda what: progress.write({"waiting": what, "since": time.time()}),
+                             kept=kept)
         if orders is not None:
             orders.leave()  # finishing: an order to leave now comes too late
         progress.write({"state": "done", **({"step": last["step"]} if last else {})})

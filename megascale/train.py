@@ -18,6 +18,7 @@ from megascale.config import JobConfig
 from megascale.model.gpt import GPT
 from megascale.parallel.comm import all_reduce
 from megascale.parallel.parallelize import compute_dtype, parallelize
+from megascale.parallel.zero import DistributedOptimizer
 from megascale.parallel.pipeline import document_ids_on_every_stage, run_schedule
 from megascale.parallel.topology import Layout, ParallelContext
 from megascale.synthetic import SyntheticSource
@@ -81,15 +82,22 @@ def split_microbatches(batch: torch.Tensor, count: int, device: torch.device) ->
 class Trainer:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None,
                  ranks_per_node: Optional[int] = None):
-        self.cfg, self.ctx = cfg, ctx
-        with torch.device("meta"):  # each rank materialises only what it owns (parallelize)
-            model = GPT(cfg.model)
-        self.chunks, self.optimizer = parallelize(model, ctx, cfg)
+        self.cfg, self.ctx, self.ranks_per_node = cfg, ctx, ranks_per_node
+        self.chunks, self.optimizer = self._build()
         self.dtype = compute_dtype(cfg, ctx.device)
         self.source = source or make_source(cfg, ctx, ranks_per_node)
         self.step_index = 0
         seq = cfg.model.seq // ctx.tp.size if ctx.sequence_parallel else cfg.model.seq
         self.activation_shape = (cfg.batch.micro, seq, cfg.model.hidden)
+        self._freeze_gc()
+
+    def _build(self) -> tuple[list[GPT], DistributedOptimizer]:
+        with torch.device("meta"):  # each rank materialises only what it owns (parallelize)
+            model = GPT(self.cfg.model)
+        return parallelize(model, self.ctx, self.cfg)
+
+    @staticmethod
+    def _freeze_gc() -> None:
         # MegaScale: ranks collecting garbage at different times stall each other's
         # collectives; collect on every rank at the same step instead.
         gc.collect()
@@ -150,6 +158,32 @@ class Trainer:
         gc.unfreeze()
         gc.enable()
 
+    def suspend(self) -> None:
+        """Out of an incarnation that ended part-way, kept for the next (KeptTrainer): forgets the abandoned
+        step, closes the data source and lets go of the process groups; the model and optimizer stay."""
+        self.optimizer.abandon_step()
+        self.source.close()
+        self.ctx.unbind()
+        gc.unfreeze()
+        gc.enable()
+
+    def resume(self, ctx: ParallelContext) -> None:
+        """Into the next incarnation (same rank and layout): its process groups and a new data source. The
+        weights are the last incarnation's until a restore (or `reinitialize`) replaces them."""
+        self.ctx.rebind(ctx)
+        self.source = make_source(self.cfg, self.ctx, self.ranks_per_node)
+        self.step_index = 0
+        self._freeze_gc()
+
+    def reinitialize(self) -> None:
+        """The weights and optimizer state of a new Trainer (the same random draws, so the same numbers), for
+        a kept trainer whose job has nothing to restore: built aside, copied in, dropped."""
+        chunks, fresh = self._build()
+        self.optimizer.reset_to(fresh)
+        fresh.close()
+        del chunks
+        self.step_index = 0
+
     def state_dict(self) -> dict:
         """The training progress a checkpoint carries (the optimizer and data source are parts of their own)."""
         return {"step": self.step_index}
@@ -166,6 +200,53 @@ def checkpoint_parts(trainer: Trainer) -> dict:
             "rng": RngState(trainer.ctx.device)}
 
 
+class KeptTrainer:
+    """The model and optimizer a rank process keeps across in-process restarts (control.restart: in_process,
+    executor/rank.py): their allocations (on a GPU most of a rank's memory, and seconds of its start) outlive
+    the incarnation that made them, and the next incarnation of the same rank, layout and training config
+    restores into them instead of building anew. Anything else gets a new Trainer, and the kept one is freed
+    first. The data source is made anew each incarnation: the node's loader is shared with ranks that may be
+    new processes."""
+
+    # The config sections a Trainer is built from; the others (checkpoint, control, ...) may change freely.
+    SECTIONS = ("model", "parallelism", "batch", "optimizer", "precision", "data", "train", "eval")
+
+    def __init__(self) -> None:
+        self._trainer: Optional[Trainer] = None
+        self._key: Optional[tuple] = None
+
+    @classmethod
+    def _key_of(cls, cfg: JobConfig, ctx: ParallelContext) -> tuple:
+        sections = {name: value for name, value in cfg.to_dict().items() if name in cls.SECTIONS}
+        return ctx.rank, ctx.layout, str(ctx.device), json.dumps(sections, sort_keys=True, default=str)
+
+    def take(self, cfg: JobConfig, ctx: ParallelContext) -> Optional[Trainer]:
+        """The kept trainer, resumed into `ctx`'s incarnation, if it fits `cfg` and `ctx`; else None."""
+        trainer, self._trainer = self._trainer, None
+        if trainer is None:
+            return None
+        if self._key != self._key_of(cfg, ctx):
+            log.info("rank %d: the kept model does not fit this incarnation (another layout or config): "
+                     "building anew", ctx.rank)
+            trainer.close()
+            return None
+        try:
+            trainer.resume(ctx)
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer
+
+    def keep(self, trainer: Trainer) -> None:
+        """Keeps `trainer`, out of an incarnation that ended part-way, for the next one."""
+        try:
+            trainer.suspend()
+        except BaseException:
+            trainer.close()
+            raise
+        self._trainer, self._key = trainer, self._key_of(trainer.cfg, trainer.ctx)
+
+
 def layout_of(cfg: JobConfig) -> Layout:
     p = cfg.parallelism
     return Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp)
@@ -174,7 +255,8 @@ def layout_of(cfg: JobConfig) -> Layout:
 def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                on_step: Optional[Callable[[dict], None]] = None,
                on_start: Optional[Callable[[int], None]] = None,
-               on_wait: Optional[Callable[[Optional[str]], None]] = None) -> Optional[dict]:
+               on_wait: Optional[Callable[[Optional[str]], None]] = None,
+               kept: Optional[KeptTrainer] = None) -> Optional[dict]:
     """One rank's training loop. Every rank logs to rank-<R>.log (a line every train.log_every
     steps) and appends its step timings to timings-rank<R>.jsonl (the dashboard's heatmap); the
     reporting rank appends metrics.jsonl (with val_loss and val_ppl after a validation, eval.every)
@@ -182,7 +264,9 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
     `on_start(step)` learns the step training starts from (a restored checkpoint's, else 0);
     `on_wait(what)` what training is blocked on outside a step (a checkpoint persisting, a validation), then
     `on_wait(None)`. Returns the last step's stats (None if it trained none): a job trains for weeks, and a
-    history of every step kept in memory grew every rank by ~1 KB a step."""
+    history of every step kept in memory grew every rank by ~1 KB a step. With `kept` (an in-process restart)
+    the rank trains on the model and optimizer a previous incarnation left there, if they fit, and leaves
+    them there if this incarnation ends part-way."""
     from megascale.checkpoint import Checkpointer
     from megascale.evaluate import Evaluator, make_eval_source
     from megascale.experiment_log import ExperimentLog, check_wandb
@@ -200,8 +284,20 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         logging.getLogger("megascale").setLevel(logging.INFO)
         log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
         eval_source = make_eval_source(cfg, ctx) if cfg.eval.every else None
-        trainer = Trainer(cfg, ctx)
-        started.callback(trainer.close)
+        trainer = kept.take(cfg, ctx) if kept is not None else None
+        reused = trainer is not None
+        if reused:
+            log.info("rank %d: training on the model and optimizer kept from the last incarnation", ctx.rank)
+        else:
+            trainer = Trainer(cfg, ctx)
+
+        def end_trainer(failed: Optional[type], *_: object) -> None:
+            if kept is not None and failed is not None:
+                kept.keep(trainer)  # abandoned part-way: the next incarnation restores into it
+            else:
+                trainer.close()
+
+        started.push(end_trainer)
         ckpt = cfg.checkpoint
         checkpointer = Checkpointer(cfg, ctx, checkpoint_parts(trainer)) if ckpt.enabled else None
         restored = None
@@ -213,6 +309,8 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                 restored = checkpointer.restore()
             if ckpt.every:
                 checkpointer.prepare()  # allocate the host buffer now, not in the first save
+        if restored is None and reused:  # nothing to restore: start as a new model would
+            trainer.reinitialize()
         if restored is None and ckpt.init_from:  # a fresh start from pretrained weights
             from megascale.interop import hf_dir_of, load_hf_weights
 

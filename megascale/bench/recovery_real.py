@@ -15,7 +15,8 @@ Before each fault, every node has its warm standby processes (control.standby_ra
 trained a while. `--quick` (the test): kill-rank and nan-loss. Per fault, the driver's own timeline of its recoveries
 (driver/recovery/timings.py): detect, diagnose, restart, catch-up (back at the step of the fault), steps
 replayed; time lost is fault to caught up. Then an uninterrupted `megascale train` of the same job to the same
-step: every step's final loss must equal it.
+step: every step's final loss must equal it. First, alone on the CPUs, `model_start_s`: what an in-process
+restart saves by keeping a rank's model and optimizer (kept_model_start).
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ DEAD_NODE = ("kill-executor", "freeze-node")
 GOALS = {"killed_rank_lost_s": 8.0, "dead_node_with_spare_lost_s": 20.0, "replayed_steps_max": 1}
 PHASES = {"detect_s": "detection_s", "diagnose_s": "diagnosis_s", "restart_s": "restart_s", "catchup_s": "catchup_s"}
 RECOVERY_TIMEOUT_S = 300.0
+KEPT_MODEL = {"layers": 12, "hidden": 768, "heads": 12, "ffn": 3072, "vocab": 32000, "seq": 256}  # GPT-2 small
+KEPT_MODEL_QUICK = {"layers": 2, "hidden": 256, "heads": 4, "ffn": 1024, "vocab": 4096, "seq": 64}
 
 
 def _settled(soak: Soak, recoveries_before: int) -> list[dict]:
@@ -139,11 +142,33 @@ def goals(lost: dict[str, float], replayed: int) -> dict:
             for name, goal in GOALS.items()}
 
 
+def kept_model_start(model: dict) -> dict:
+    """Seconds until a rank's model and optimizer are ready for the restore that starts an incarnation: built
+    anew (a new process, or control.restart: process) vs kept from the incarnation before (KeptTrainer, an
+    in-process restart), one after the other on one rank of `model`. The main example's model builds in ~0.15 s,
+    so this uses one of GPT-2 small's size, where what keeping saves shows."""
+    from megascale.parallel.topology import single_device_context
+    from megascale.train import KeptTrainer, Trainer
+
+    cfg = from_dict({"model": model, "batch": {"micro": 1, "global": 1}, "train": {"steps": 1}})
+    began = time.perf_counter()
+    trainer = Trainer(cfg, single_device_context())
+    built = time.perf_counter() - began
+    kept = KeptTrainer()
+    kept.keep(trainer)
+    began = time.perf_counter()
+    kept.take(cfg, single_device_context())
+    taken = time.perf_counter() - began
+    trainer.close()
+    return {"params": trainer.optimizer.param_buffer.numel(), "built_s": round(built, 2), "kept_s": round(taken, 3)}
+
+
 def run(args: argparse.Namespace) -> dict:
     quick = bool(getattr(args, "quick", False))
     faults = [(kind, index) for kind, index in FAULTS if not quick or kind in QUICK]
     load_before = os.getloadavg()[0]
     started = time.time()
+    kept_model = kept_model_start(KEPT_MODEL_QUICK if quick else KEPT_MODEL)  # before the job: alone on the CPUs
     with tempfile.TemporaryDirectory(prefix="megascale-bench-recovery-real-") as tmp:
         with launched_job(Path(tmp), random.Random(18), "recovery --real") as soak:
             wait_for(lambda: soak.step() >= 5, 600, "the first steps")
@@ -158,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         "replayed_steps_max": replayed,
         "mttr_split": {kind: {k: v for k, v in s.items() if k != "lost_s"} for kind, s in by_kind.items()},
         **losses,
+        "model_start_s": kept_model,
         "goals": met,
         "meets_goals": losses["loss_equal_to_uninterrupted"] and all(g["met"] for g in met.values()
                                                                      if g["met"] is not None),

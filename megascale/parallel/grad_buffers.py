@@ -135,6 +135,14 @@ class FullGradients(_Gradients):
     def after_step(self) -> None:
         self.grad_buffer.zero_()
 
+    def abandon(self) -> None:
+        """Forgets a step abandoned part-way (an in-process restart): the gradients accumulated so far and the
+        reductions in flight on process groups that are gone. The buffers stay allocated for the next step."""
+        self._reductions.clear()
+        self.grad_buffer.zero_()
+        self.grad_shard.zero_()
+        self.begin_step(1)
+
 
 class ShardedGradients(_Gradients):
     """ZeRO-2: bucket-sized staging buffers reduce-scattered into the persistent shard per microbatch."""
@@ -220,4 +228,14 @@ class ShardedGradients(_Gradients):
         self._wait_in_flight()
 
     def after_step(self) -> None:
+        self.grad_shard.zero_()
+
+    def abandon(self) -> None:
+        """As FullGradients.abandon: the staging buffers go back to the free list."""
+        if self._in_flight is not None:
+            self._free.append(self._in_flight[1])
+            self._in_flight = None
+        self._free.extend(self._staging.values())
+        self._staging.clear()
+        self._contributions = [0] * len(self.buckets)
         self.grad_shard.zero_()

@@ -118,6 +118,21 @@ class ParallelContext:
         for group in self.groups:
             group.recorder = recorder
 
+    def rebind(self, other: "ParallelContext") -> None:
+        """Takes `other`'s process groups, flight recorder and timer into this context's own Group objects,
+        which a kept model's modules and optimizer hold: an in-process restart keeps them (same rank, same
+        layout) and builds only the groups of the new incarnation."""
+        if (self.layout, self.rank, self.device) != (other.layout, other.rank, other.device):
+            raise ValueError(f"cannot rebind {self.describe()} to {other.describe()}")
+        for mine, theirs in zip(self.groups, other.groups):
+            mine.pg, mine.recorder, mine.timer = theirs.pg, theirs.recorder, theirs.timer
+        self.timer = other.timer
+
+    def unbind(self) -> None:
+        """Lets go of the process groups and recorder (the incarnation is over), so they can be destroyed."""
+        for group in self.groups:
+            group.pg, group.recorder = None, None
+
     def describe(self) -> str:
         return (f"rank {self.rank} (tp {self.tp.rank}/{self.tp.size}, pp {self.pp.rank}/{self.pp.size}, "
                 f"dp {self.dp.rank}/{self.dp.size})")

@@ -108,6 +108,24 @@ class DistributedOptimizer:
             partial = self.grad_shard[self.sequence_parallel_elements]
             self.grad_shard[self.sequence_parallel_elements] = all_reduce(partial, self.ctx.tp)
 
+    def abandon_step(self) -> None:
+        """Forgets a step abandoned part-way (an in-process restart keeps this optimizer): its gradients and
+        the collectives it had in flight. Weights and moments may be half-updated: the restore that follows
+        overwrites them (load_state_dict), or `reset_to` does."""
+        self._gathers.clear()
+        self.gradients.abandon()
+        for p in self.params:
+            p.grad = None
+
+    def reset_to(self, fresh: "DistributedOptimizer") -> None:
+        """Takes the weights and state of `fresh`, a new optimizer of the same layout (its initial
+        weights): this one is then as it would be newly built. Local: no collective."""
+        self.param_buffer.copy_(fresh.param_buffer)
+        self.master.copy_(fresh.master)
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.step_count = 0
+
     def close(self) -> None:
         """Unhooks the parameters (see `close` in grad_buffers.py); the optimizer steps no more after it."""
         self.gradients.close()

@@ -84,6 +84,11 @@ def test_a_killed_rank_recovers_on_the_uninterrupted_trajectory(restart, uninter
     if restart == "in_process":  # rank 3, killed, is the only new process
         assert after["n0"] == before["n0"] and after["n1"][0] == before["n1"][0], (before, after)
         assert after["n1"][1] == warm, (before, after, warm)  # the standby became rank 3
+        # The surviving ranks restored into the model and optimizer they kept (KeptTrainer); rank 3 built one.
+        run_dir = Path(job.refresh().run_dir)
+        kept = [rank for rank in range(4)
+                if "kept from the last incarnation" in (run_dir / f"rank-{rank}.log").read_text()]
+        assert kept == [0, 1, 2], kept
     else:
         assert not set(before["n0"] + before["n1"]) & set(after["n0"] + after["n1"]), (before, after)
         assert warm in after["n1"], (after, warm)  # one of n1's new ranks
