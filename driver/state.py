@@ -146,6 +146,7 @@ class JobRecord:
     # step seen: (incarnation, step, when its node saw it)
     step_intervals: list[float] = field(default_factory=list)
     last_seen_step: Optional[tuple[int, int, float]] = None
+    ideal_step: Optional[float] = None  # the lowest median of a full window of step_intervals seen so far
     dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
     checking: dict[str, BackgroundCheck] = field(default_factory=dict)  # node -> its self-check in the background
 

@@ -6,6 +6,7 @@ first step), `catchup_s` (-> back at the step of the fault), `steps_lost` (steps
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable, Optional
@@ -78,6 +79,8 @@ def _note_interval(rec: JobRecord, step: Optional[int], seen: float) -> None:
     last = rec.last_seen_step
     if last is not None and last[0] == rec.incarnation and step > last[1]:
         rec.step_intervals = [*rec.step_intervals[1 - TYPICAL_OVER:], max(0.0, seen - last[2]) / (step - last[1])]
+        if len(rec.step_intervals) == TYPICAL_OVER:
+            rec.ideal_step = min(rec.ideal_step or math.inf, statistics.median(rec.step_intervals))
     if last is None or (last[0], last[1]) != (rec.incarnation, step):
         rec.last_seen_step = (rec.incarnation, step, seen)
 
@@ -95,9 +98,12 @@ def mttr(rec: JobRecord) -> Optional[float]:
 
 def ettr(rec: JobRecord, step: Optional[int]) -> Optional[float]:
     """MegaScale's effective training time ratio: iterations x ideal iteration time / wall time. The ideal
-    iteration is the median of the newest seconds-per-step intervals (a recovery's long ones are the few):
-    the fastest step seen, on a shared or noisy host, is an outlier no fault-free run sustains."""
+    iteration is the job's best sustained pace: the lowest median of TYPICAL_OVER consecutive seconds-per-step
+    intervals seen (a recovery's long ones are the few in a window), or the median of those seen until a window
+    is full. Not the fastest step: on a shared or noisy host that is an outlier no fault-free run sustains. Not
+    the newest window's median: once the job slowed (a straggler, a loaded host) that one exceeded the pace of
+    most steps, and the 30-minute soak's ETTR read 1.0 with 75 s lost to faults."""
     if not step or not rec.step_intervals:
         return None
-    typical = statistics.median(rec.step_intervals)
-    return round(min(1.0, step * typical / max(1e-9, time.time() - rec.created)), 4)
+    ideal = min(rec.ideal_step or math.inf, statistics.median(rec.step_intervals))
+    return round(min(1.0, step * ideal / max(1e-9, time.time() - rec.created)), 4)

@@ -290,15 +290,19 @@ class Keeper:
                 "replicated": peer if peer and error is None else None, "error": error}
 
     def _listen(self, msg: dict) -> dict:
-        """Serves replicas on `msg["bind"]` (port `msg["port"]`, 0 = any) under `msg["key"]`."""
-        self.replica_key = bytes.fromhex(msg["key"])
-        if self.replicas is None:
-            try:
-                self.replicas = ReplicaServer(msg["bind"], msg["port"], lambda: self.replica_key)
-            except OSError as e:
-                return {"op": "error", "error": f"cannot serve replicas on {msg['bind']}:{msg['port']}: {e}"}
-            log.info("serving replicas on %s", self.replicas.address)
-        return {"op": "listening", "address": self.replicas.address}
+        """Serves replicas on `msg["bind"]` (port `msg["port"]`, 0 = any) under `msg["key"]`. Under the lock: each
+        rank's connection has a thread, and a node's ranks all ask at once when an incarnation starts. Without it
+        several of them each started a server (4 addresses for one keeper, seen in `bench recovery --real`), the
+        ring of keepers ran through one node's own servers, and a lost node took most of its replicas with it."""
+        with self.lock:
+            self.replica_key = bytes.fromhex(msg["key"])
+            if self.replicas is None:
+                try:
+                    self.replicas = ReplicaServer(msg["bind"], msg["port"], lambda: self.replica_key)
+                except OSError as e:
+                    return {"op": "error", "error": f"cannot serve replicas on {msg['bind']}:{msg['port']}: {e}"}
+                log.info("serving replicas on %s", self.replicas.address)
+            return {"op": "listening", "address": self.replicas.address}
 
     def _commit(self, msg: dict) -> dict:
         step = msg["step"]

@@ -287,3 +287,27 @@ def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_peer_that_stoppe
     assert [c["step"] for c in reply["copies"]] == [7] and len(fds) == 2  # the keeper's copy of it, in its memfd
     assert held and held[0]["replicated"] is None and "failed" in held[0]["error"], held
     frozen.close()
+
+
+def test_a_nodes_ranks_asking_at_once_get_one_replica_server(tmp_path, monkeypatch):
+    """Every rank of a node hands its keeper the replica key at the same moment (an incarnation's start), each
+    on its own connection's thread. They must all get the one server's address: with one server each, the ring
+    of keepers ran through a node's own servers and a lost node took its replicas with it."""
+    import megascale.checkpoint.keeper as keeper_module
+
+    class SlowToStart(ReplicaServer):  # widens the window a real start leaves open
+        def __init__(self, *args):
+            time.sleep(0.05)
+            super().__init__(*args)
+
+    monkeypatch.setattr(keeper_module, "ReplicaServer", SlowToStart)
+    keeper = Keeper(Storage(pafs.LocalFileSystem(), str(tmp_path), f"file://{tmp_path}"), "unused", idle_s=60)
+    replies: list[dict] = []
+    listen = {"op": "listen", "bind": "127.0.0.1", "port": 0, "key": os.urandom(32).hex()}
+    ranks = [threading.Thread(target=lambda rank=rank: replies.append(keeper._handle({**listen, "rank": rank}, [])[0]))
+             for rank in range(8)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert {reply["address"] for reply in replies} == {keeper.replicas.address}, replies

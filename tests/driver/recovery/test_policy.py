@@ -2,6 +2,7 @@
 how a recovery's time splits into MTTR phases (the end-to-end runs are in test_recovery*.py)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -113,3 +114,15 @@ def test_ettr_takes_the_median_seconds_per_step_as_ideal_not_the_fastest_step():
     assert rec.step_intervals == [1.0, 1.0, 1.0, pytest.approx(1.1)]
     assert timings.ettr(rec, 90) == pytest.approx(0.9, abs=0.01)  # 90 steps x 1.0 s (median) in 100 s
     assert timings.ettr(record(), 90) is None  # no interval seen yet
+
+
+def test_ettr_keeps_the_best_sustained_pace_as_ideal_when_the_job_slows_down():
+    rec, now = record(), time.time()
+    rec.created = now - 500.0
+    seen = now - 500.0
+    for step in range(1, 2 * timings.TYPICAL_OVER + 2):  # a window of 1 s steps, then one of 2 s steps
+        seen += 1.0 if step <= timings.TYPICAL_OVER + 1 else 2.0
+        timings.track(rec, {}, {"step": step, "step_time": 1.0, "seen": seen})
+    assert statistics.median(rec.step_intervals) == 2.0 and rec.ideal_step == 1.0
+    # 129 steps at the 1 s pace in 500 s; the newest window's median (2 s) would read 0.52.
+    assert timings.ettr(rec, 2 * timings.TYPICAL_OVER + 1) == pytest.approx(129 / 500, abs=0.01)
