@@ -136,10 +136,14 @@ def _valid_record(record) -> bool:
 class _Request:
     """A client's side of one request: connects, takes the server's nonce, sends, reads the reply."""
 
-    def __init__(self, address: str, key: bytes, timeout: float = IO_TIMEOUT_S):
+    def __init__(self, address: str, key: bytes, timeout: float = IO_TIMEOUT_S,
+                 connected: Callable[[socket.socket], None] = lambda sock: None):
+        """`connected(sock)` is told the connection before the server's nonce is awaited: a frozen peer's kernel
+        accepts the connection and the nonce never comes, and another thread must be able to cut that short."""
         self.key, self.nonce = key, os.urandom(NONCE)
         try:
             self.sock = socket.create_connection(_split(address), timeout=timeout)
+            connected(self.sock)
             self.server_nonce = _recv_exact(self.sock, NONCE)
         except OSError as e:
             raise ReplicaError(f"keeper at {address} unreachable: {e}") from None
@@ -177,13 +181,12 @@ def send_replica(address: str, key: bytes, rank: int, record: dict, view: memory
     """Puts `view` (rank `rank`'s snapshot, described by `record`) to the keeper at `address`; returns
     the CRC-32 of what was sent once the peer verified and kept it. `connected(sock)` is told the
     connection while the send lasts (None after), so that another thread can cut it short."""
-    with _Request(address, key) as request:
-        connected(request.sock)
-        try:
+    try:
+        with _Request(address, key, connected=connected) as request:
             crc = request.send({"op": "put", "rank": rank, "record": record}, view)
             header, _ = request.reply()
-        finally:
-            connected(None)
+    finally:
+        connected(None)
     if header.get("crc32") != crc:
         raise ReplicaError(f"the keeper at {address} holds CRC-32 {header.get('crc32')}, sent {crc}")
     return crc

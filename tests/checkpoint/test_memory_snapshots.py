@@ -253,10 +253,13 @@ def test_a_snapshot_costing_over_2_percent_lengthens_an_unset_interval_and_says_
         assert list(checkpointer.memory.taken) == [1, 2, 3, 4, 5]
 
 
-def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_peer_that_stopped_reading(tmp_path):
-    """A frozen next node accepts the connection but reads nothing: the send of the replica blocks once the
-    socket buffers fill, holding the buffer. A rank restarting meanwhile gets its snapshot within seconds,
-    not after the send's 60 s timeout; the snapshot still counts on this node."""
+@pytest.mark.parametrize("frozen_at", ["reading", "accepting"])
+def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_frozen_peer(frozen_at, tmp_path):
+    """A frozen next node: the send of the replica blocks, holding the buffer, either once the socket buffers fill
+    (the peer froze after it took the connection and sent its nonce) or at once (it froze before: its kernel
+    accepts the connection, its nonce never comes; 53 s of a restart in `bench recovery --real`). A rank
+    restarting meanwhile gets its snapshot within seconds, not after the send's 60 s timeout; the snapshot still
+    counts on this node."""
     frozen = socket.create_server(("127.0.0.1", 0))
     accepted = []
 
@@ -265,7 +268,8 @@ def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_peer_that_stoppe
         accepted.append(conn)  # kept open: a frozen process's sockets stay
         conn.sendall(os.urandom(NONCE))
 
-    threading.Thread(target=accept_and_stop_reading, daemon=True).start()
+    if frozen_at == "reading":
+        threading.Thread(target=accept_and_stop_reading, daemon=True).start()
     keeper = Keeper(Storage(pafs.LocalFileSystem(), str(tmp_path), f"file://{tmp_path}"), "unused", idle_s=60)
     keeper.replica_key = os.urandom(32)
     size = 64 << 20  # far more than the kernel buffers a stopped reader
@@ -285,7 +289,7 @@ def test_a_restarted_ranks_hello_cuts_short_a_replica_send_to_a_peer_that_stoppe
     assert time.monotonic() - started < HELLO_WAIT_S + 3 and fds[0] == fd
     assert reply["snapshot"]["step"] == 7 and reply["snapshot"]["state"] == "held", reply
     assert [c["step"] for c in reply["copies"]] == [7] and len(fds) == 2  # the keeper's copy of it, in its memfd
-    assert held and held[0]["replicated"] is None and "failed" in held[0]["error"], held
+    assert held and held[0]["replicated"] is None and held[0]["error"], held  # cut short: not replicated
     frozen.close()
 
 

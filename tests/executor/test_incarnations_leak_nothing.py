@@ -5,7 +5,6 @@ live in C++, where the garbage collector cannot see the cycle parameter -> hook 
 And what an incarnation freed must go back to the system: glibc kept it, ~75 MB a restart for a small model."""
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -17,17 +16,9 @@ from megascale.parallel.topology import Layout
 from megascale.rank import init_rank, shutdown_rank
 from megascale.train import layout_of, train_rank
 
+from incarnation_support import threads_and_fds
+
 INCARNATIONS = 3
-
-
-def _threads_and_fds() -> tuple[int, list[str]]:
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds.append(os.readlink(f"/proc/self/fd/{fd}").split(":")[0])  # socket, pipe, a file's path
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    return len(os.listdir("/proc/self/task")), sorted(fds)
 
 
 def _incarnations(ctx, run_dir: str) -> list[tuple[int, int]]:
@@ -45,7 +36,7 @@ def _incarnations(ctx, run_dir: str) -> list[tuple[int, int]]:
         train_rank(ctx, cfg, run_dir)
         shutdown_rank(ctx)
         release()
-        held.append(_threads_and_fds())
+        held.append(threads_and_fds())
     if rank == 0:
         shutdown_keeper(cfg.checkpoint.uri)  # it would serve this machine's ranks as long as pytest runs
     return held

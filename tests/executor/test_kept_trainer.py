@@ -1,14 +1,16 @@
 """An in-process restart keeps the rank's model and optimizer (megascale.train.KeptTrainer): the next incarnation
 restores into the same allocations instead of building anew. A step abandoned part-way (gradients accumulated,
 the optimizer not yet stepped) must leave nothing behind: once restored, the kept trainer trains exactly as a new
-one restored from the same state does (bit for bit on one rank; on 2 ranks with real gloo groups, every loss of
-an uninterrupted run within 1e-6 relative). With nothing to restore it starts from a new model's weights; a
-kept trainer that does not fit the next incarnation (another layout or config) is freed, not reused."""
+one restored from the same state does (bit for bit on one rank; on 2 ranks with real gloo groups, over two
+restarts, every loss of an uninterrupted run within 1e-6 relative, with threads and descriptors flat). With
+nothing to restore it starts from a new model's weights; a kept trainer that does not fit the next incarnation
+(another layout or config) is freed, not reused."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,17 @@ import torch
 
 from megascale.checkpoint import shutdown_keeper
 from megascale.config import from_dict
+from megascale.executor.rank import release
 from megascale.launch import run_ranks
 from megascale.parallel.topology import single_device_context
 from megascale.parallel.zero import DistributedOptimizer
 from megascale.rank import init_rank, shutdown_rank
 from megascale.train import KeptTrainer, Trainer, checkpoint_parts, layout_of, train_rank
 
+from incarnation_support import threads_and_fds
+
 STEPS = 6
+INCARNATIONS = 4  # in _incarnations: 3 fail part-way
 
 
 def job(zero: int = 2, parallelism: dict | None = None, **train):
@@ -125,35 +131,38 @@ def test_a_kept_trainer_that_does_not_fit_the_next_incarnation_is_freed_not_reus
     assert kept.take(cfg, single_device_context()) is None  # taken once
 
 
-def _two_incarnations(ctx, cfg, run_dir: str) -> dict:
-    """Incarnation 1 fails part-way through step 4 on every rank (as a leave order would end it); incarnation 2
-    restores step 3 into the kept trainer and trains to the end."""
+def _incarnations(ctx, cfg, run_dir: str) -> dict:
+    """Incarnations 1, 2 and 3 fail part-way through steps 4, 5 and 6 on every rank (as a leave order would end
+    them); each next one restores the step before into the kept trainer; incarnation 4 trains to the end."""
     rank = ctx.rank
     shutdown_rank(ctx)  # run_ranks's own group: each incarnation joins its own rendezvous
-    kept, weights = KeptTrainer(), []
+    kept, weights, held = KeptTrainer(), [], []
     original = DistributedOptimizer.grad_norm
 
-    def fail_in_step_4(self):
-        if self.step_count == 3:
-            raise RuntimeError("incarnation 1 ends part-way")
-        return original(self)
+    for incarnation in range(1, INCARNATIONS + 1):
+        def fail_part_way(self, failing_step=3 + incarnation):
+            if incarnation < INCARNATIONS and self.step_count == failing_step - 1:
+                raise RuntimeError(f"incarnation {incarnation} ends part-way")
+            return original(self)
 
-    for incarnation in (1, 2):
-        DistributedOptimizer.grad_norm = fail_in_step_4 if incarnation == 1 else original
+        DistributedOptimizer.grad_norm = fail_part_way
         ctx = init_rank(layout_of(cfg), rank, f"file://{run_dir}/rendezvous-{incarnation}", cfg.comm,
                         backend="gloo", threads=1, sequence_parallel=cfg.parallelism.sequence_parallel)
         try:
             train_rank(ctx, cfg, run_dir, kept=kept)
         except RuntimeError as e:
-            assert incarnation == 1, e
+            assert incarnation < INCARNATIONS, e
         finally:
             shutdown_rank(ctx)
+        release()
+        held.append(threads_and_fds())
         if kept._trainer is not None:
             weights.append(kept._trainer.optimizer.param_buffer.data_ptr())
+    DistributedOptimizer.grad_norm = original
     if rank == 0:
         shutdown_keeper(cfg.checkpoint.uri)  # it would serve this machine's ranks as long as pytest runs
     log = (Path(run_dir) / f"rank-{rank}.log").read_text()
-    return {"weights": weights, "kept": "kept from the last incarnation" in log}
+    return {"weights": weights, "kept": log.count("kept from the last incarnation"), "held": held}
 
 
 def _uninterrupted(ctx, cfg, run_dir: str) -> None:
@@ -167,7 +176,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("parallelism", [{"dp": 2}, {"tp": 2, "sequence_parallel": True}], ids=["dp2", "tp2-sp"])
-def test_two_ranks_restart_in_process_on_their_kept_models_with_the_uninterrupted_losses(parallelism, tmp_path):
+def test_two_ranks_restart_in_process_on_their_kept_models_with_the_uninterrupted_losses_leaking_nothing(
+        parallelism, tmp_path):
     def cfg_in(run_dir: Path):
         run_dir.mkdir()
         return from_dict({**job(parallelism=parallelism).to_dict(),
@@ -179,10 +189,18 @@ def test_two_ranks_restart_in_process_on_their_kept_models_with_the_uninterrupte
     run_ranks(_uninterrupted, layout_of(cfg), cfg, str(reference), backend="gloo",
               sequence_parallel=cfg.parallelism.sequence_parallel)
     cfg = cfg_in(restarted)
-    results = run_ranks(_two_incarnations, layout_of(cfg), cfg, str(restarted), backend="gloo")
+    results = run_ranks(_incarnations, layout_of(cfg), cfg, str(restarted), backend="gloo")
     for rank, result in enumerate(results):
-        assert result["kept"], f"rank {rank} built a new model"
-        assert len(result["weights"]) == 1, result  # kept after incarnation 1 only (2 finished: closed)
+        assert result["kept"] == INCARNATIONS - 1, f"rank {rank} built a new model"
+        weights = result["weights"]  # kept after every incarnation but the last (it finished: closed)
+        assert weights == [weights[0]] * (INCARNATIONS - 1), f"rank {rank}: the kept weights moved"
+        # Nothing more per incarnation from the second on. (A rank then holds 7 threads, as it does from the first
+        # on when nothing is kept: the first incarnation that restores leaves one gloo group's 3 threads alive.)
+        held = result["held"][1:]
+        threads = [n for n, _ in held]
+        assert threads == [threads[0]] * len(held), f"rank {rank}: threads after each incarnation {threads}"
+        (_, fds_first), (_, fds_last) = held[0], held[-1]
+        assert not Counter(fds_last) - Counter(fds_first), f"rank {rank}: descriptors kept"
     expected, got = losses(reference), losses(restarted)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
