@@ -17,8 +17,7 @@ import torch
 from megascale.config import JobConfig
 from megascale.model.gpt import GPT
 from megascale.parallel.comm import all_reduce
-from megascale.parallel.parallelize import compute_dtype, parallelize
-from megascale.parallel.zero import DistributedOptimizer
+from megascale.parallel.parallelize import compute_dtype, parallelize, shard_model, unique_named_parameters
 from megascale.parallel.pipeline import document_ids_on_every_stage, run_schedule
 from megascale.parallel.topology import Layout, ParallelContext
 from megascale.synthetic import SyntheticSource
@@ -83,7 +82,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None,
                  ranks_per_node: Optional[int] = None):
         self.cfg, self.ctx, self.ranks_per_node = cfg, ctx, ranks_per_node
-        self.chunks, self.optimizer = self._build()
+        self.chunks, self.optimizer = parallelize(self._meta_model(), ctx, cfg)
         self.dtype = compute_dtype(cfg, ctx.device)
         self.source = source or make_source(cfg, ctx, ranks_per_node)
         self.step_index = 0
@@ -91,10 +90,9 @@ class Trainer:
         self.activation_shape = (cfg.batch.micro, seq, cfg.model.hidden)
         self._freeze_gc()
 
-    def _build(self) -> tuple[list[GPT], DistributedOptimizer]:
+    def _meta_model(self) -> GPT:
         with torch.device("meta"):  # each rank materialises only what it owns (parallelize)
-            model = GPT(self.cfg.model)
-        return parallelize(model, self.ctx, self.cfg)
+            return GPT(self.cfg.model)
 
     @staticmethod
     def _freeze_gc() -> None:
@@ -177,11 +175,9 @@ class Trainer:
 
     def reinitialize(self) -> None:
         """The weights and optimizer state of a new Trainer (the same random draws, so the same numbers), for
-        a kept trainer whose job has nothing to restore: built aside, copied in, dropped."""
-        chunks, fresh = self._build()
-        self.optimizer.reset_to(fresh)
-        fresh.close()
-        del chunks
+        a kept trainer whose job has nothing to restore: a new model is built aside and copied in, without an
+        optimizer of its own (its state is several times the weights, and a kept one may fill most of a device)."""
+        self.optimizer.reset_to(unique_named_parameters(shard_model(self._meta_model(), self.ctx, self.cfg)))
         self.step_index = 0
 
     def state_dict(self) -> dict:

@@ -152,6 +152,16 @@ def unique_named_parameters(chunks: list[nn.Module]) -> list[tuple[str, nn.Param
 
 def parallelize(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> tuple[list[GPT], DistributedOptimizer]:
     """The list of steps that turns a single-device GPT into this rank's share of the job."""
+    chunks = shard_model(model, ctx, cfg)
+    optimizer = DistributedOptimizer(unique_named_parameters(chunks), ctx, cfg.optimizer,
+                                     bucket_mb=cfg.parallelism.grad_bucket_mb, overlap=cfg.parallelism.overlap.dp,
+                                     zero=cfg.parallelism.zero)
+    optimizer.attach(chunks)
+    return chunks, optimizer
+
+
+def shard_model(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> list[GPT]:
+    """This rank's pipeline chunks of `model`, TP-sharded, materialised (initialised) and on the device."""
     chunks = split_into_chunks(model, ctx)
     if ctx.tp.size > 1:
         shared: dict = {}
@@ -167,8 +177,4 @@ def parallelize(model: GPT, ctx: ParallelContext, cfg: JobConfig) -> tuple[list[
     dtype = compute_dtype(cfg, ctx.device)
     for chunk in chunks:
         chunk.to(device=ctx.device, dtype=dtype)
-    optimizer = DistributedOptimizer(unique_named_parameters(chunks), ctx, cfg.optimizer,
-                                     bucket_mb=cfg.parallelism.grad_bucket_mb, overlap=cfg.parallelism.overlap.dp,
-                                     zero=cfg.parallelism.zero)
-    optimizer.attach(chunks)
-    return chunks, optimizer
+    return chunks

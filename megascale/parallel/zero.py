@@ -117,11 +117,14 @@ class DistributedOptimizer:
         for p in self.params:
             p.grad = None
 
-    def reset_to(self, fresh: "DistributedOptimizer") -> None:
-        """Takes the weights and state of `fresh`, a new optimizer of the same layout (its initial
-        weights): this one is then as it would be newly built. Local: no collective."""
-        self.param_buffer.copy_(fresh.param_buffer)
-        self.master.copy_(fresh.master)
+    def reset_to(self, named_params: list[tuple[str, nn.Parameter]]) -> None:
+        """Takes `named_params` (a newly built model's, of this rank's layout) as the weights, with the state of a
+        new optimizer: this one is then as it would be if built for that model. Local: no collective."""
+        if [name for name, _ in named_params][::-1] != self.names:
+            raise ValueError("the parameters to reset to are not this optimizer's")
+        for (_, new), p in zip(named_params[::-1], self.params):
+            p.data.copy_(new.detach())  # a view of param_buffer
+        self.master.copy_(torch.cat([self.param_buffer[s:s + n] for s, n in self.shard_ranges]))
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self.step_count = 0
