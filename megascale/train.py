@@ -280,10 +280,12 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
         logging.getLogger("megascale").setLevel(logging.INFO)
         log.info("%s starting, %d steps", ctx.describe(), cfg.train.steps)
         eval_source = make_eval_source(cfg, ctx) if cfg.eval.every else None
+        began = time.perf_counter()
         trainer = kept.take(cfg, ctx) if kept is not None else None
         reused = trainer is not None
         if reused:
-            log.info("rank %d: training on the model and optimizer kept from the last incarnation", ctx.rank)
+            log.info("rank %d: training on the model and optimizer kept from the last incarnation (resumed in %.2f s: "
+                     "groups bound, a new data source)", ctx.rank, time.perf_counter() - began)
         else:
             trainer = Trainer(cfg, ctx)
 
