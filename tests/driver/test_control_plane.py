@@ -36,8 +36,11 @@ def test_launch_status_pause_resume_survive_driver_kill_stop(tmp_path, capsys, w
 
     assert "pause requested" in cli(capsys, "pause", "cp-ops")
     wait(job.in_state(JobState.PAUSED, reason="paused by user", phase=Phase.IDLE), 30, "the ranks to stop")
-    nodes = {n["node"]: n for n in job.status()["nodes"]}
-    assert nodes["n0"]["phase"] == "idle" and nodes["n1"]["ranks"] == {"stopped": 2}
+    # the record goes idle on the executors' acknowledgements; the nodes' phases shown come with their next heartbeats
+    def ranks_shown_stopped():
+        nodes = {n["node"]: n for n in job.status()["nodes"]}
+        return nodes["n0"]["phase"] == "idle" and nodes["n1"]["ranks"] == {"stopped": 2}
+    wait(ranks_shown_stopped, 10, "the nodes' heartbeats to show their ranks stopped")
 
     assert "resume requested" in cli(capsys, "resume", "cp-ops")
     wait(job.in_state(JobState.RUNNING, incarnation=2), 30, "incarnation 2 running")
