@@ -150,16 +150,17 @@ class Soak:
         return list(found.values())
 
     def sample(self) -> dict:
-        processes: dict[str, dict] = {}  # "pid@start time" (pids are reused) -> its kind and use
+        processes: dict[str, dict] = {}  # life_key -> its kind and use
         for p in self.processes():
             try:
                 with p.oneshot():
                     cmdline = p.cmdline()
                     if not cmdline:  # a zombie between its exit and its parent's wait
                         continue
-                    processes[f"{p.pid}@{p.create_time():.2f}"] = {
+                    threads = p.num_threads()
+                    processes[life_key(p.pid, p.create_time(), cmdline, threads)] = {
                         "kind": process_kind(cmdline), "rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(),
-                        "threads": p.num_threads()}
+                        "threads": threads}
             except psutil.Error:
                 continue
         out = {"time": time.time(), "processes": processes, "shm_segments": len(os.listdir("/dev/shm"))}
@@ -189,6 +190,14 @@ def process_kind(cmdline: list[str]) -> str:
     if "-m" in cmdline[:-1]:
         return cmdline[cmdline.index("-m") + 1].removeprefix("megascale.")
     return Path(cmdline[0].split()[0]).name.split("-v")[0]  # "redis-server 127.0.0.1:port", "tansu-v0.6.0-..."
+
+
+def life_key(pid: int, created: float, cmdline: list[str], threads: int) -> str:
+    """What one leak fit follows: a process ("pid@start time": pids are reused). A warm standby still waiting
+    (one thread, torch imported) is a life of its own: when it becomes a rank it loads a model, starts
+    its groups' threads and opens their sockets, a step up that a fit across both would count as a leak."""
+    waiting = "--standby" in cmdline and threads == 1
+    return f"{pid}@{created:.2f}" + ("/standby" if waiting else "")
 
 
 def lost_seconds(progress: list[tuple[float, int]], injected: float, step_s: float) -> Optional[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.bench.soak import lost_seconds, process_kind, process_slopes, slope_per_hour, step_time_drift
+from megascale.bench.soak import life_key, lost_seconds, process_kind, process_slopes, slope_per_hour, step_time_drift
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
@@ -56,3 +56,20 @@ def test_leak_slopes_are_per_process_so_processes_coming_and_going_are_not_leaks
     assert slopes["executor.rank"]["processes"] == 2  # the short-lived ones are not fitted
     assert slopes["executor.rank"]["worst"] == pytest.approx(6.0)  # the growing one: 0.05 MB per 30 s
     assert process_slopes(samples, "fds", after_s=300, min_span_s=600)["executor.rank"]["worst"] == pytest.approx(0)
+
+
+def test_a_standby_that_becomes_a_rank_starts_a_new_life():
+    """The soak's ranks: warm standbys (263 MB, 1 thread) that became ranks (~400 MB, 25 threads) read as
+    212 MB an hour when fitted as one life; split at the activation, each part is flat."""
+    standby = ["/venv/bin/python", "-m", "megascale.executor.rank", "--standby"]
+    samples = []
+    for i in range(61):  # every 30 s for 30 minutes; activated at minute 10
+        threads = 1 if i < 20 else 25
+        key = life_key(7, 12.5, standby, threads)
+        samples.append({"time": 30.0 * i, "processes": {key: {"kind": process_kind(standby), "fds": 3,
+                                                               "rss_mb": 263.0 if threads == 1 else 400.0,
+                                                               "threads": threads}}})
+    assert {k for s in samples for k in s["processes"]} == {"7@12.50/standby", "7@12.50"}
+    slopes = process_slopes(samples, "rss_mb", after_s=60, min_span_s=240)
+    assert slopes["executor.rank"] == {"worst": pytest.approx(0.0), "processes": 2}
+    assert life_key(7, 12.5, ["/venv/bin/python", "-m", "megascale.executor.rank", "spec.json"], 1) == "7@12.50"
