@@ -68,9 +68,9 @@ class DistributedOptimizer:
             owner[off:off + p.numel()] = i
 
         self.shard_ranges = [(b.start + ctx.dp.rank * b.size // dp, b.size // dp) for b in self.buckets]
-        self.segment_ids = torch.cat([owner[s:s + n] for s, n in self.shard_ranges])
+        self.segment_ids = self._owned(owner)
         self.segments = Segments(self.segment_ids, len(self.params))
-        self.master = torch.cat([self.param_buffer[s:s + n] for s, n in self.shard_ranges]).float()
+        self.master = self._owned(self.param_buffer).float()
         self.grad_shard = torch.zeros(shard_total, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -117,6 +117,10 @@ class DistributedOptimizer:
         for p in self.params:
             p.grad = None
 
+    def _owned(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's ZeRO shard of a buffer laid out like `param_buffer`: its part of every bucket, joined."""
+        return torch.cat([flat[s:s + n] for s, n in self.shard_ranges])
+
     def reset_to(self, named_params: list[tuple[str, nn.Parameter]]) -> None:
         """Takes `named_params` (a newly built model's, of this rank's layout) as the weights, with the state of a
         new optimizer: this one is then as it would be if built for that model. Local: no collective."""
@@ -124,7 +128,7 @@ class DistributedOptimizer:
             raise ValueError("the parameters to reset to are not this optimizer's")
         for (_, new), p in zip(named_params[::-1], self.params):
             p.data.copy_(new.detach())  # a view of param_buffer
-        self.master.copy_(torch.cat([self.param_buffer[s:s + n] for s, n in self.shard_ranges]))
+        self.master.copy_(self._owned(self.param_buffer))
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self.step_count = 0
