@@ -13,6 +13,7 @@ LAMB follows apex FusedLAMB (adam_w_mode, bias correction, use_nvlamb=False):
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -73,6 +74,11 @@ def lamb_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                step: int, lr: float, betas: tuple[float, float], eps: float, decay: torch.Tensor, **_) -> None:
-    """One AdamW step (decoupled weight decay, as torch.optim.AdamW)."""
-    param.mul_(1 - lr * decay)
-    param.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)
+    """One AdamW step (decoupled weight decay), in torch.optim.AdamW's order of operations: one pass over
+    the shard per line and a single temporary, where the Adam direction of LAMB takes three."""
+    beta1, beta2 = betas
+    param.addcmul_(param, decay, value=-lr)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denominator = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
+    param.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1**step))

@@ -239,3 +239,41 @@ class ShardedGradients(_Gradients):
         self._staging.clear()
         self._contributions = [0] * len(self.buckets)
         self.grad_shard.zero_()
+
+
+class LocalGradients(_Gradients):
+    """One DP rank: the shard is laid out like the parameters, and gradients accumulate straight into it.
+    (The reduction of either class above would be a copy or an add per step or microbatch for nothing.)"""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.ctx.dp.size != 1:
+            raise ValueError(f"LocalGradients is for one DP rank, not {self.ctx.dp.size}")
+        self._register_hooks()
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad_shard.numel() * 4
+
+    def _hook(self, i: int):
+        off, numel = self.offsets[i], self.params[i].numel()
+        grad_view = self.grad_shard[off:off + numel]
+
+        def hook(p: torch.Tensor) -> None:
+            grad_view.add_(p.grad.reshape(-1))
+            p.grad = None
+        return hook
+
+    def begin_step(self, microbatches: int) -> None:
+        """Nothing to count: there is no reduction to start."""
+
+    def finish(self) -> None:
+        for b, bucket in enumerate(self.buckets):
+            if not bucket.eager:
+                self._sum_tied_embedding(b, self._shard_of(b))
+
+    def after_step(self) -> None:
+        self.grad_shard.zero_()
+
+    def abandon(self) -> None:
+        self.grad_shard.zero_()

@@ -23,7 +23,7 @@ from megascale.checkpoint.stateful import ParamLayout, ShardedFlat, Split
 from megascale.config import OptimizerConfig
 from megascale.optim.update import Segments, adamw_step, lamb_step
 from megascale.parallel.comm import InFlight, all_reduce
-from megascale.parallel.grad_buffers import Bucket, FullGradients, ShardedGradients
+from megascale.parallel.grad_buffers import Bucket, FullGradients, LocalGradients, ShardedGradients
 from megascale.parallel.topology import ParallelContext
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -83,14 +83,15 @@ class DistributedOptimizer:
         self.tp_sharded = torch.tensor([getattr(p, "tensor_parallel", False) for p in self.params], device=device)
         # Count each parameter once in the global grad norm: TP-replicated ones on TP rank 0
         # only, and a tied embedding's second copy (last pipeline stage) not at all.
-        self.counted = per_element([(getattr(p, "tensor_parallel", False) or ctx.tp.rank == 0)
-                                    and not getattr(p, "duplicate_of_first_stage", False) for p in self.params])
+        self.counted = torch.tensor([(getattr(p, "tensor_parallel", False) or ctx.tp.rank == 0)
+                                     and not getattr(p, "duplicate_of_first_stage", False) for p in self.params],
+                                    device=device)
         # Sequence-parallel LayerNorm grads are partial over TP; the sum commutes with the DP
         # reduce-scatter, so it is applied to the (1/dp smaller) shard afterwards.
         self.sequence_parallel_elements = per_element(
             [getattr(p, "sequence_parallel", False) for p in self.params]).nonzero().flatten()
 
-        gradients = FullGradients if zero == 1 else ShardedGradients
+        gradients = LocalGradients if ctx.dp.size == 1 else FullGradients if zero == 1 else ShardedGradients
         self.gradients = gradients(self.params, self.offsets, self.buckets, self.bucket_of, self.grad_shard, ctx,
                                    overlap)
         self._gathers: dict[int, tuple[InFlight, torch.Tensor]] = {}
@@ -187,7 +188,7 @@ class DistributedOptimizer:
         return sums
 
     def grad_norm(self) -> float:
-        local = (self.grad_shard.square() * self.counted).sum()
+        local = (self.segments.sum_of_squares(self.grad_shard) * self.counted).sum()  # one pass over the shard
         return self._sum_over_world(local).sqrt().item()
 
     def step(self, lr: float) -> float:
