@@ -33,14 +33,16 @@ STEP0_TOLERANCE = 1e-4
 INSTALL_HINT = "megatron-core is not installed: pip install -e '.[peers]'"
 
 
-def peer_job(parallelism: dict, quick: bool) -> JobConfig:
+def peer_job(parallelism: dict, quick: bool, zero: int = 1) -> JobConfig:
     """The benchmarked model: megascale's gpt arch (rotary, LayerNorm, tanh GeLU, no biases, untied), which
-    GPTModel and the torch-native module both express exactly; fp32, no dropout, constant-lr AdamW."""
+    GPTModel and the torch-native module both express exactly; fp32, no dropout, constant-lr AdamW.
+    `zero: 1` by default: megatron-core's distributed optimizer shards the same way (optimizer state over
+    DP, a full gradient buffer reduce-scattered once per step); `zero: 2` is reported beside it."""
     return from_dict({
         "name": "bench-peers",
         "model": {"layers": 4, "hidden": 128 if quick else 256, "heads": 4, "ffn": 512 if quick else 1024,
                   "vocab": 1024, "seq": 64 if quick else 128, "dropout": 0.0},
-        "parallelism": parallelism,
+        "parallelism": {**parallelism, "zero": zero},
         "batch": {"micro": 2, "global": 16},
         "optimizer": {"name": "adamw", "lr": 1e-3, "schedule": {"kind": "constant"}},
         "precision": {"dtype": "fp32"},
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     tokens: dict = {impl: {} for impl in IMPLS}
     losses: dict = {impl: {} for impl in IMPLS}
     why: dict = {impl: {} for impl in IMPLS}
+    zero2: dict = {}
     missing = megatron_missing()
     if missing:
         print(INSTALL_HINT, file=sys.stderr)  # stdout carries the JSON
@@ -150,6 +153,9 @@ def run(args: argparse.Namespace) -> dict:
             if reason:
                 why[impl][name] = reason
         _enforce_same_math(name, tokens, losses, why)
+        if parallelism.get("dp", 1) > 1:  # ZeRO-2 costs a reduce-scatter per microbatch: what that costs here
+            zero2[name] = max(measure("megascale", peer_job(parallelism, args.quick, zero=2), steps)["tokens_per_s"]
+                              for _ in range(rounds))
     return {
         "model": {k: v for k, v in vars(peer_job({}, args.quick).model).items()
                   if k in ("arch", "layers", "hidden", "heads", "ffn", "vocab", "seq")},
@@ -160,6 +166,9 @@ def run(args: argparse.Namespace) -> dict:
         "speedup_vs_torch_native": {c: _ratio(tokens["megascale"][c], tokens["torch_native"][c]) for c in CONFIGS},
         "speedup_vs_megatron_core": {c: _ratio(tokens["megascale"][c], tokens["megatron_core"][c]) for c in CONFIGS},
         "step0_loss": losses,
+        "megascale_zero": 1,
+        "megascale_zero2_tokens_per_s": zero2,
+        "zero2_vs_zero1": {c: _ratio(zero2[c], tokens["megascale"][c]) for c in zero2},
         "why": {impl: cells for impl, cells in why.items() if cells},
     }
 

@@ -15,6 +15,9 @@ hook), and `p.grad` is dropped.
   per *microbatch* instead of per step, overlapped with backward in the same way. (Staging until
   the last microbatch instead would keep every bucket unsharded through the step: the full
   buffer again.)
+- `LocalGradients` (a single DP rank, either level): the shard is the whole buffer, laid out like
+  the parameters: no staging, no copy, nothing to reduce. fp32 parameters' `p.grad` are views of
+  it that autograd accumulates into, with no hook.
 
 With overlap on, a reduce-scatter runs while backward goes on; with it off, each one is waited
 for where it is issued (zero 2) or all are issued after the last backward (zero 1).
@@ -242,14 +245,25 @@ class ShardedGradients(_Gradients):
 
 
 class LocalGradients(_Gradients):
-    """One DP rank: the shard is laid out like the parameters, and gradients accumulate straight into it.
-    (The reduction of either class above would be a copy or an add per step or microbatch for nothing.)"""
+    """One DP rank: the shard is laid out like the parameters, so nothing is staged, copied or reduced, which
+    either class above would do for nothing. fp32 parameters: each `p.grad` is its view of the shard, and
+    autograd adds every microbatch's gradient straight into it, with no hook (a Python call per parameter
+    per microbatch). Lower precision: a hook adds each gradient into the fp32 shard, as above."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.ctx.dp.size != 1:
             raise ValueError(f"LocalGradients is for one DP rank, not {self.ctx.dp.size}")
-        self._register_hooks()
+        self.grad_views = all(p.dtype == torch.float32 for p in self.params)
+        if self.grad_views:
+            self._hooks = []
+            self._attach()
+        else:
+            self._register_hooks()
+
+    def _attach(self) -> None:
+        for p, off in zip(self.params, self.offsets):
+            p.grad = self.grad_shard[off:off + p.numel()].view_as(p)
 
     @property
     def nbytes(self) -> int:
@@ -277,3 +291,5 @@ class LocalGradients(_Gradients):
 
     def abandon(self) -> None:
         self.grad_shard.zero_()
+        if self.grad_views:
+            self._attach()

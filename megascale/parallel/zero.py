@@ -70,7 +70,10 @@ class DistributedOptimizer:
         self.shard_ranges = [(b.start + ctx.dp.rank * b.size // dp, b.size // dp) for b in self.buckets]
         self.segment_ids = self._owned(owner)
         self.segments = Segments(self.segment_ids, len(self.params))
-        self.master = self._owned(self.param_buffer).float()
+        # One fp32 DP rank: the master weights are the parameters themselves (otherwise the same values twice,
+        # and a copy of all of them after every step).
+        self.master_is_params = dp == 1 and param_dtype == torch.float32
+        self.master = self.param_buffer if self.master_is_params else self._owned(self.param_buffer).float()
         self.grad_shard = torch.zeros(shard_total, dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -114,9 +117,9 @@ class DistributedOptimizer:
         the collectives it had in flight. Weights and moments may be half-updated: the restore that follows
         overwrites them (load_state_dict), or `reset_to` does."""
         self._gathers.clear()
-        self.gradients.abandon()
         for p in self.params:
             p.grad = None
+        self.gradients.abandon()
 
     def _owned(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's ZeRO shard of a buffer laid out like `param_buffer`: its part of every bucket, joined."""
@@ -141,6 +144,8 @@ class DistributedOptimizer:
     # ---- parameters ------------------------------------------------------------------
 
     def _all_gather_params(self) -> None:
+        if self.master_is_params:
+            return
         # Forward reads the last bucket first (buckets are in reverse order of use).
         for b in reversed(range(len(self.buckets))):
             bucket, (_, n) = self.buckets[b], self.shard_ranges[b]

@@ -51,6 +51,8 @@ def test_report_says_why_when_megatron_is_missing_or_math_differs(monkeypatch, c
     def fake_measure(impl, cfg, steps):
         if impl == "torch_native" and cfg.parallelism.dp == 2:
             return {"tokens_per_s": 50.0, "step0_loss": 7.0 + 2 * peers.STEP0_TOLERANCE}  # another function
+        if impl == "megascale" and cfg.parallelism.zero == 2:
+            return {"tokens_per_s": 90.0, "step0_loss": 7.0}
         return {"tokens_per_s": 100.0 if impl == "megascale" else 80.0, "step0_loss": 7.0}
 
     monkeypatch.setattr(peers, "measure", fake_measure)
@@ -68,3 +70,7 @@ def test_report_says_why_when_megatron_is_missing_or_math_differs(monkeypatch, c
     assert report["speedup_vs_torch_native"]["dp2"] is None
     assert "invalid" in report["why"]["torch_native"]["dp2"]
     assert "1rank" not in report["why"]["torch_native"]
+    # megascale runs ZeRO-1 as megatron-core's distributed optimizer does; ZeRO-2 only beside it, where there is DP.
+    assert report["megascale_zero"] == 1
+    assert report["megascale_zero2_tokens_per_s"] == {"dp2": 90.0}
+    assert report["zero2_vs_zero1"] == {"dp2": pytest.approx(0.9)}
