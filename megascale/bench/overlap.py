@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> dict:
 # setting the goals are meant for; the JSON reports the share it measured). Goals: MegaScale's section 3.
 EMULATED = {"tp": 2, "pp": 2, "dp": 2}
 LINK_GBIT = 0.2
+PLACEMENT = "2 nodes: n0 = (dp0, pp0) + (dp1, pp1), n1 = (dp1, pp0) + (dp0, pp1); TP inside a node"
 GOALS = {"dp": 0.70, "pp": 0.50, "step_speedup": 1.15, "comm_share_off": 0.30}
 
 
@@ -87,7 +88,7 @@ def node_of(rank: int, layout: Layout) -> str:
     return f"n{(dp + pp) % 2}"
 
 
-def _place(job: str, layout: Layout, rank: int) -> None:
+def place(job: str, layout: Layout, rank: int) -> None:
     """A rank process onto its node: into the node's namespace, gloo on its link (peers on the node meet on lo)."""
     netemu.enter(netemu.JobNetwork(job).namespace(node_of(rank, layout)))
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
@@ -104,15 +105,15 @@ def emulated(quick: bool, steps: int, link_gbit: float = LINK_GBIT) -> dict:
     try:
         for node in sorted({node_of(r, layout) for r in range(layout.world_size)}):
             netemu.add_node(net, node, link_gbit)
-        place = functools.partial(_place, job, layout)
-        off, on = (_measure(EMULATED, overlap, quick, steps, place=place, backend="gloo") for overlap in (False, True))
+        on_node = functools.partial(place, job, layout)
+        off, on = (_measure(EMULATED, switch, quick, steps, place=on_node, backend="gloo") for switch in (False, True))
     finally:
         netemu.teardown(job)
     reduction = {kind: _reduction(on["exposed_s"][kind], off["exposed_s"][kind]) for kind in COMM_KINDS}
     figures = {"dp": reduction["dp"], "pp": reduction["pp"], "step_speedup": off["step_time_s"] / on["step_time_s"],
                "comm_share_off": sum(off["exposed_s"].values()) / off["step_time_s"]}
     return {
-        "placement": "2 nodes: n0 = (dp0, pp0) + (dp1, pp1), n1 = (dp1, pp0) + (dp0, pp1); TP inside a node",
+        "placement": PLACEMENT,
         "link_gbit": link_gbit,
         "exposed_comm_reduction": reduction,
         "step_speedup": figures["step_speedup"],

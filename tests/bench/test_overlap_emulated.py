@@ -50,7 +50,7 @@ def test_placed_ranks_run_in_their_nodes_namespaces_and_reach_each_other_across_
     try:
         for node in ("n0", "n1"):
             netemu.add_node(net, node, 1)
-        found = run_ranks(_where, layout, place=functools.partial(overlap._place, job, layout), backend="gloo")
+        found = run_ranks(_where, layout, place=functools.partial(overlap.place, job, layout), backend="gloo")
         expected = [os.stat(f"/run/netns/{net.namespace(overlap.node_of(r, layout))}").st_ino for r in (0, 1)]
     finally:
         netemu.teardown(job)
