@@ -292,9 +292,32 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> JobC
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}: not valid YAML{at}") from None
+    if isinstance(raw, dict):
+        inputs_from_file(raw, path.resolve().parent)
     for item in overrides or []:
         apply_override(raw, item)
     return from_dict(raw)
+
+
+# What a job reads, by its place in the YAML, and a prefix a value may carry before the path.
+INPUT_PATHS = {("data", "path"): "", ("data", "tokenizer"): "", ("eval", "data"): "",
+               ("checkpoint", "init_from"): "hf:"}
+
+
+def inputs_from_file(raw: dict, base: Path) -> None:
+    """Relative input paths in a config file are from the file's directory, wherever `megascale` runs:
+    `megascale run /abs/path/job.yaml` from any directory reads the data the file names. (What `--set` gives
+    stays relative to the current directory; outputs, train.run_dir and checkpoint.uri, are from there too.)"""
+    from megascale.data.tokenizer import NAMES  # data.tokenizer: byte and bpe are names, not files
+
+    for (section, key), prefix in INPUT_PATHS.items():
+        node = raw.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value.startswith(prefix) or value in NAMES:
+            continue
+        given = value.removeprefix(prefix)
+        if given and not Path(given).expanduser().is_absolute():
+            node[key] = prefix + str(base / given)
 
 
 def apply_override(raw: dict, item: str) -> None:
