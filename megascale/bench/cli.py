@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--fault-interval", type=float, default=0.0, metavar="S",
                        help="recovery: seconds from one injected fault to the next (0 = 1 s after each recovery); "
                             "soak: the mean interval (0 = 120 s, 30 s with --quick)")
+    bench.add_argument("--faults", type=int, default=0, metavar="N",
+                       help="recovery (stand-in ranks): inject N faults, cycling through the kinds (0 = each once), "
+                            "and report the driver's memory growth per 100 recoveries")
     bench.add_argument("--minutes", type=float, default=0.0, metavar="N",
                        help="soak: how long to run (0 = 30 minutes, 3 with --quick)")
     bench.set_defaults(func=_bench)

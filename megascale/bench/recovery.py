@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+import psutil
 import yaml
 
 from megascale.bench import BenchFailed
@@ -48,9 +51,11 @@ def run(args: argparse.Namespace) -> dict:
     interval = getattr(args, "fault_interval", 0.0) or 0.0
     if interval < 0:
         raise SystemExit(f"megascale bench recovery: --fault-interval={interval}: must be >= 0")
-    plan = [("kill-rank", "n1"), ("kill-node", "n2"), ("hang", "n3")]
-    if not getattr(args, "quick", False):
-        plan += [("freeze-node", "n0"), ("kill-rank", "n3")]
+    kinds = ["kill-rank", "kill-node", "hang"] + ([] if getattr(args, "quick", False) else ["freeze-node", "kill-rank"])
+    count = getattr(args, "faults", 0) or len(kinds)
+    if count < 0:
+        raise SystemExit(f"megascale bench recovery: --faults={count}: must be >= 0")
+    rng = random.Random(0)  # which active node each fault hits: node faults evict, so the node is chosen live
     with tempfile.TemporaryDirectory(prefix="megascale-bench-recovery-") as tmp:
         root = Path(tmp)
         config = {"name": JOB, "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
@@ -75,12 +80,16 @@ def run(args: argparse.Namespace) -> dict:
             status = lambda: json.loads(store.r.get(store.k_status) or "{}")  # noqa: E731
             wait_for(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
             injected = []
-            for kind, node in plan:
-                before = len(status().get("recoveries", []))
+            driver_rss_mb = []
+            for i in range(count):
+                kind, now = kinds[i % len(kinds)], status()
+                node = rng.choice([n["node"] for n in now["nodes"] if n["role"] == "active"])
+                before = len(now.get("recoveries", []))
                 injected.append(time.time())
                 inject(store, kind, node)
                 wait_for(lambda: len(status().get("recoveries", [])) > before, 60, f"recovery from {kind} on {node}")
                 time.sleep(max(1.0, interval - (time.time() - injected[-1])))  # steady training between faults
+                driver_rss_mb.append(_rss_mb(JobHandle.load(JOB).driver_pid))
             final = status()
         finally:
             store.set_desired("stopped")
@@ -105,4 +114,23 @@ def run(args: argparse.Namespace) -> dict:
         # ettr is at fault_interval_s, a fault every few seconds).
         "ettr_at_5min_interval": round(1 - sum(f["total_s"] for f in faults) / len(faults) / 300, 4),
         "heartbeat_s": HEARTBEAT_S,
+        **driver_growth(driver_rss_mb, len(kinds)),
     }
+
+
+def _rss_mb(pid: int | None) -> float | None:
+    try:
+        return round(psutil.Process(pid).memory_info().rss / 2**20, 1) if pid else None
+    except psutil.Error:
+        return None
+
+
+def driver_growth(rss_mb: list[float | None], cycle: int) -> dict:
+    """The driver's RSS after each recovery and, past its first two cycles of fault kinds (every code path
+    run and its one-time allocations made), the growth per 100 recoveries: what weeks of faults would add."""
+    settled = [(i, v) for i, v in enumerate(rss_mb) if v is not None and i >= 2 * cycle]
+    slope = None
+    if len(settled) >= 10:
+        x, y = np.array(settled).T
+        slope = round(float(np.polyfit(x, y, 1)[0]) * 100, 2)
+    return {"driver_rss_mb": rss_mb, "driver_rss_mb_per_100_recoveries": slope}

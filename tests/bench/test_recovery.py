@@ -21,3 +21,13 @@ def test_quick_recovery_bench_reports_every_fault_and_the_tracked_keys(monkeypat
     assert result["detection_intervals_by_kind"]["node_dead"] <= 2  # the executor's exit, seen by the backend
     # The heartbeat saying the step went stale leaves at hang_after_s, not at the next interval.
     assert result["hang_detection_past_threshold_s"] < 1.5 * bench_recovery.HEARTBEAT_S
+    assert len(result["driver_rss_mb"]) == 3 and all(v > 0 for v in result["driver_rss_mb"])
+    assert result["driver_rss_mb_per_100_recoveries"] is None  # 3 faults: no settled span to fit
+
+
+def test_driver_growth_is_fitted_past_two_cycles_of_fault_kinds():
+    one_time = [100.0, 104.0, 110.0, 111.0, 120.0, 121.0]  # first-use allocations: left out
+    settled = [130.0 + 0.02 * i for i in range(30)]  # 0.02 MB a recovery
+    result = bench_recovery.driver_growth(one_time + settled, cycle=3)
+    assert result["driver_rss_mb_per_100_recoveries"] == pytest.approx(2.0, abs=0.01)
+    assert bench_recovery.driver_growth(one_time + [None] * 30, cycle=3)["driver_rss_mb_per_100_recoveries"] is None
