@@ -33,10 +33,9 @@ def headline(job: str, status: dict) -> Text:
     if status.get("val_loss") is not None:  # the newest validation (eval.every)
         text.append(f"\nval_loss {_num(status['val_loss'], '.4f')}  val_ppl {_num(status.get('val_ppl'), '.2f')}"
                     f"  at step {_num(status.get('val_step'), 'd')}")
-    recoveries = status.get("recoveries") or []
     if status.get("driver"):  # a driver's view: the reliability figures and where to scrape it
         text.append(f"\nETTR {_num(status.get('ettr'), '.2f')}  MTTR {_num(status.get('mttr_s'), '.1f')} s"
-                    f"  recoveries {len(recoveries)}")
+                    f"  recoveries {status.get('recovered') or 0}")
         if status.get("prometheus"):
             text.append(f"  metrics {status['prometheus']}", style="dim")
     if status.get("reason"):
@@ -63,6 +62,9 @@ def job_table(job: str, status: dict, live: bool = True) -> Group:
     parts = [headline(job, status)]
     if status.get("nodes"):
         parts.append(table)
+    hidden = (status.get("evicted") or 0) - sum(n["role"] == "evicted" for n in status.get("nodes", []))
+    if hidden > 0:
+        parts.append(Text(f"(and {hidden} nodes evicted before these)", style="dim"))
     if not live:
         parts.append(Text("(not running: last status its `megascale run` saw)", style="dim"))
     return Group(*parts)

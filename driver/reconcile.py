@@ -38,6 +38,7 @@ from .state import Fault, JobRecord, JobState, JobStatus, JobStore, NodeStatus, 
 from .telemetry import Telemetry
 
 TICK_S = 0.25
+EVICTED_SHOWN = 8  # evicted nodes the status lists (the newest); `evicted` counts them all
 LEASE_TTL_S = 3.0
 EXIT_GRACE_S = 10.0
 
@@ -345,7 +346,7 @@ class Driver:
 
     def _status(self, rec: JobRecord) -> JobStatus:
         nodes = []
-        for slot in rec.nodes:
+        for slot in rec.shown_slots(EVICTED_SHOWN):
             view = self.ingest.nodes.get(slot.node)
             hb = view.hb if view else None
             states = [r.state for r in hb.ranks] if hb and hb.incarnation == rec.incarnation else []
@@ -367,6 +368,8 @@ class Driver:
                          val_loss=seen.get("val_loss"), val_ppl=seen.get("val_ppl"), nodes=nodes,
                          driver=self.holder, updated=time.time(), heartbeats=self.ingest.processed,
                          ignored=sum(self.ingest.ignored.values()), rejected=dict(self.ingest.ignored),
-                         ettr=ettr, recoveries=rec.recoveries,
+                         ettr=ettr, recoveries=rec.recoveries, recovered=rec.recovered,
+                         evicted=len(rec.slots("evicted")),
                          mttr_s=timings.mttr(rec), stragglers=[describe(f) for f in self.telemetry.metrics.findings],
                          prometheus=self.telemetry.prometheus_url, timings_stored=self.telemetry.consumer.stored)
+

@@ -141,7 +141,9 @@ class JobRecord:
     recovery: Optional[Recovery] = None  # the newest fault and its handling
     cleaned: bool = False  # terminal state's nodes have been stopped
     created: float = field(default_factory=time.time)
-    recoveries: list[dict] = field(default_factory=list)  # finished ones' MTTR phases (driver/recovery/timings.py)
+    recoveries: list[dict] = field(default_factory=list)  # the newest finished ones' MTTR phases (timings.KEPT)
+    recovered: int = 0  # recoveries finished, ever: each one's `n` in `recoveries`
+    recovery_s: float = 0.0  # their total_s summed (MTTR)
     # ETTR's ideal step: seconds per step between the steps seen within an incarnation (the newest), and the last
     # step seen: (incarnation, step, when its node saw it)
     step_intervals: list[float] = field(default_factory=list)
@@ -165,6 +167,13 @@ class JobRecord:
     def slots(self, role: Role) -> list[NodeSlot]:
         found = [s for s in self.nodes if s.role == role]
         return sorted(found, key=lambda s: s.index) if role == "active" else found
+
+    def shown_slots(self, evicted_kept: int) -> list[NodeSlot]:
+        """The nodes a status lists: those in service and the last `evicted_kept` evicted ones (by node id). Faults
+        over weeks evict hundreds, and a status is rewritten every pass; the latest are what an operator looks at."""
+        evicted = [slot.node for slot in self.slots("evicted")]
+        newest = set(evicted[-evicted_kept:]) if evicted_kept else set()
+        return [slot for slot in self.nodes if slot.role != "evicted" or slot.node in newest]
 
     def slot(self, node: str) -> Optional[NodeSlot]:
         return next((s for s in self.nodes if s.node == node), None)
@@ -231,7 +240,9 @@ class JobStatus:
     rejected: dict[str, int] = field(default_factory=dict)  # the same by reason (a few fixed reasons)
     ettr: Optional[float] = None  # effective training time ratio, 0-1
     mttr_s: Optional[float] = None  # mean time to recovery over finished recoveries
-    recoveries: list[dict] = field(default_factory=list)
+    recoveries: list[dict] = field(default_factory=list)  # the newest (timings.KEPT), numbered by `n`
+    recovered: int = 0  # finished recoveries, ever
+    evicted: int = 0  # nodes evicted, ever (`nodes` lists the newest EVICTED_SHOWN of them)
     stragglers: list[str] = field(default_factory=list)  # one line per straggler finding (stragglers.describe)
     prometheus: Optional[str] = None  # the driver's /metrics URL; None when control.prometheus_port is -1
     timings_stored: int = 0  # step-timing rows the driver wrote to <run_dir>/metrics

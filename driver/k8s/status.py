@@ -41,7 +41,7 @@ def build(previous: dict, rec: JobRecord, live: Optional[JobStatus], *, generati
     hosts = {**{n["id"]: n.get("host") for n in previous.get("nodes") or []}, **{n: h for n, h in hosts.items() if h}}
     status: dict = {
         "phase": rec.state.value, "reason": rec.reason, "paused": paused, "incarnation": rec.incarnation,
-        "restarts": rec.restarts, "recoveries": len(rec.recoveries), "nextNode": rec.next_node,
+        "restarts": rec.restarts, "recoveries": rec.recovered, "nextNode": rec.next_node,
         "startTime": previous.get("startTime") or iso(now), "lastSyncTime": iso(now),
         # Never fewer than before but by age: the job's Redis may lose its keys (a flush) between two reads of a pass.
         "evictedNodes": _newest(previous.get("evictedNodes") or [], rec, hosts, evicted_hosts),
@@ -77,10 +77,8 @@ def _newest(previous: list[str], rec: JobRecord, hosts: dict[str, str], evicted_
 def _nodes(rec: JobRecord, live: Optional[JobStatus], hosts: dict[str, str], name: str) -> list[dict]:
     """The nodes in service, and the last HISTORY evicted ones."""
     alive = {n.node: n.alive for n in live.nodes} if live else {}
-    evicted = [slot.node for slot in rec.nodes if slot.role == "evicted"]
-    shown = {slot.node for slot in rec.nodes if slot.role != "evicted"} | set(evicted[-HISTORY:])
     out = []
-    for slot in (s for s in rec.nodes if s.node in shown):
+    for slot in rec.shown_slots(HISTORY):
         node = {"id": slot.node, "role": slot.role, "pod": pod_name(name, slot.node),
                 "alive": alive.get(slot.node, False)}
         if slot.index is not None:

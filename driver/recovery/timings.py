@@ -15,6 +15,7 @@ from ..ingest import NodeView
 from ..state import Fault, JobRecord, Timeline
 
 TYPICAL_OVER = 64  # the newest seconds-per-step intervals whose median is ETTR's ideal step
+KEPT = 50  # the newest recoveries the record and the status keep in full
 
 
 def start(rec: JobRecord, fault: Fault, step: int, chaos: Optional[dict], silence: Callable[[str], float],
@@ -65,7 +66,14 @@ def track(rec: JobRecord, views: dict[str, NodeView], seen: dict) -> Optional[di
     fault = recovery.fault
     done = {"kind": fault.kind, "node": fault.node, "step": t.step, "restored_step": t.restored_step,
             "steps_lost": max(0, t.step - t.restored_step), **{k: round(v, 2) for k, v in phases.items()}}
-    rec.recoveries.append(done)
+    if rec.recovered < len(rec.recoveries):  # a record written before the count: its list held every recovery
+        rec.recovered, rec.recovery_s = len(rec.recoveries), sum(r["total_s"] for r in rec.recoveries)
+    rec.recovered += 1
+    rec.recovery_s += done["total_s"]
+    done["n"] = rec.recovered
+    # Only the newest are kept: the record and the status are rewritten on every pass, and a job that runs for
+    # weeks recovers hundreds of times. Each one is also an `info` event, and the count and MTTR cover them all.
+    rec.recoveries = [*rec.recoveries[1 - KEPT:], done]
     recovery.timeline = None
     return done
 
@@ -92,8 +100,18 @@ def summary(done: dict) -> str:
 
 
 def mttr(rec: JobRecord) -> Optional[float]:
-    """Mean time to recovery: fault to training caught up, over the finished recoveries."""
-    return round(sum(r["total_s"] for r in rec.recoveries) / len(rec.recoveries), 2) if rec.recoveries else None
+    """Mean time to recovery: fault to training caught up, over every finished recovery."""
+    return round(rec.recovery_s / rec.recovered, 2) if rec.recovered else None
+
+
+def recovered(status: dict) -> int:
+    """How many recoveries a job's status says have finished, ever."""
+    return status.get("recovered") or 0
+
+
+def recoveries_after(status: dict, n: int) -> list[dict]:
+    """The status's recoveries numbered above `n` (those finished since `recovered` read `n`), oldest first."""
+    return [r for r in status.get("recoveries") or [] if r.get("n", 0) > n]
 
 
 def ettr(rec: JobRecord, step: Optional[int]) -> Optional[float]:

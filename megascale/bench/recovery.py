@@ -27,6 +27,7 @@ from megascale.bench import BenchFailed
 from megascale.driver import sim_rank
 from megascale.driver.chaos import inject
 from megascale.driver.services import JobHandle
+from megascale.driver.recovery.timings import recovered, recoveries_after
 from megascale.driver.state import JobStore
 
 JOB = "bench-recovery"
@@ -80,21 +81,20 @@ def run(args: argparse.Namespace) -> dict:
             status = lambda: json.loads(store.r.get(store.k_status) or "{}")  # noqa: E731
             wait_for(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
             injected = []
-            driver_rss_mb = []
+            driver_rss_mb, faults = [], []
             for i in range(count):
                 kind, now = kinds[i % len(kinds)], status()
                 node = rng.choice([n["node"] for n in now["nodes"] if n["role"] == "active"])
-                before = len(now.get("recoveries", []))
+                before = recovered(now)
                 injected.append(time.time())
                 inject(store, kind, node)
-                wait_for(lambda: len(status().get("recoveries", [])) > before, 60, f"recovery from {kind} on {node}")
+                faults += wait_for(lambda: recoveries_after(status(), before), 60, f"recovery from {kind} on {node}")
                 time.sleep(max(1.0, interval - (time.time() - injected[-1])))  # steady training between faults
                 driver_rss_mb.append(_rss_mb(JobHandle.load(JOB).driver_pid))
             final = status()
         finally:
             store.set_desired("stopped")
             wait_for(lambda: not handle.live() or JobHandle.load(JOB).final, 60, "the job to stop")
-    faults = final.get("recoveries", [])
     gaps = [b - a for a, b in zip(injected, injected[1:])]
     return {
         "faults": faults,

@@ -34,6 +34,7 @@ import psutil
 from megascale.bench import BenchFailed
 from megascale.config import from_dict
 from megascale.driver.chaos import ChaosError, executor_pid, standby_pids
+from megascale.driver.recovery.timings import recovered, recoveries_after
 from megascale.driver.state import JobState
 
 from .recovery import wait_for
@@ -56,7 +57,7 @@ def _settled(soak: Soak, recoveries_before: int) -> list[dict]:
     every spare reports (the next fault may need one; a spare still starting would also compete for the CPUs
     with the next recovery); until then an empty list."""
     status = soak.status()
-    done = status.get("recoveries", [])[recoveries_before:]
+    done = recoveries_after(status, recoveries_before)
     spares = [n for n in status.get("nodes", []) if n["role"] == "spare"]
     settled = (bool(done) and status.get("state") == JobState.RUNNING.value
                and (status.get("step") or 0) >= done[-1]["step"] + 2 and all(n["alive"] for n in spares))
@@ -106,7 +107,7 @@ def inject_each(soak: Soak, faults: list[tuple[str, int | None]]) -> list[dict]:
     for kind, index in faults:
         wait_for(lambda: _warm(soak), RECOVERY_TIMEOUT_S, "every node's standby processes")
         node = _node_at(soak, index) if index is not None else None
-        before = len(soak.status().get("recoveries", []))
+        before = recovered(soak.status())
         frozen: list[psutil.Process] = []
         if kind == "freeze-node":
             done, frozen = _freeze_node(soak, node)
@@ -117,7 +118,7 @@ def inject_each(soak: Soak, faults: list[tuple[str, int | None]]) -> list[dict]:
         except BenchFailed as e:
             status = soak.status()
             raise BenchFailed(f"{e} ({done}; the job is {status.get('state')} at step {status.get('step')}, "
-                              f"{len(status.get('recoveries', [])) - before} recoveries since)") from None
+                              f"{recovered(status) - before} recoveries since)") from None
         finally:
             _thaw(frozen)
         injected.append({"kind": kind, "done": done, "recoveries": recoveries})

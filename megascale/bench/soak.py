@@ -38,6 +38,7 @@ from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
 from megascale.driver.services import JobHandle
+from megascale.driver.recovery.timings import recovered, recoveries_after
 from megascale.driver.state import JobState, JobStore
 
 JOB = "bench-soak"
@@ -339,7 +340,7 @@ def run(args: argparse.Namespace) -> dict:
                     break
                 soak.watch(300, 30, until=soak.running)  # the previous fault recovered
                 kind = kinds[len(injected) % len(kinds)]
-                before = len(soak.status().get("recoveries", []))
+                before = recovered(soak.status())
                 at = time.time()
                 injected.append({"kind": kind, "time": at, "done": soak.inject(kind), "recoveries_before": before})
             soak.watch(300, 30, until=soak.running)
@@ -378,12 +379,11 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
            left: dict[str, int], interval: float) -> dict:
     step_s = statistics.median(m["step_time"] for m in metrics) if metrics else 0.0
     by_kind: dict[str, list[Optional[float]]] = {}
-    recoveries = final.get("recoveries", [])
-    ends = [f["recoveries_before"] for f in injected[1:]] + [len(recoveries)]
+    ends = [f["recoveries_before"] for f in injected[1:]] + [recovered(final)]
     for fault, end in zip(injected, ends):
         # a fault the driver recovered from costs what its recoveries' timelines say (fault to caught up);
         # any other (driver, Redis, broker, slow rank) what the step progress shows
-        own = recoveries[fault["recoveries_before"]:end]
+        own = [r for r in recoveries_after(final, fault["recoveries_before"]) if r["n"] <= end]
         fault["recoveries"] = [r["kind"] for r in own]
         lost = (round(sum(r["total_s"] for r in own), 2) if own
                 else lost_seconds(soak.progress, fault["time"], step_s))
@@ -396,7 +396,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
     return {
         "fault_interval_s": interval,
         "faults": len(injected),
-        "recoveries": len(final.get("recoveries", [])),
+        "recoveries": recovered(final),
         "failed": int(final.get("state") != JobState.RUNNING.value),
         "ettr": final.get("ettr"),
         # not_back: faults after which training never passed its earlier step before the run ended

@@ -126,3 +126,40 @@ def test_ettr_keeps_the_best_sustained_pace_as_ideal_when_the_job_slows_down():
     assert statistics.median(rec.step_intervals) == 2.0 and rec.ideal_step == 1.0
     # 129 steps at the 1 s pace in 500 s; the newest window's median (2 s) would read 0.52.
     assert timings.ettr(rec, 2 * timings.TYPICAL_OVER + 1) == pytest.approx(129 / 500, abs=0.01)
+
+
+def test_weeks_of_recoveries_keep_the_newest_in_full_and_count_and_time_them_all():
+    """The record and the status are rewritten every pass: hundreds of recoveries must not grow them."""
+    rec, now = record(), time.time()
+    rec.recoveries = [{"kind": "hang", "node": "n0", "total_s": 4.0}]  # a record from before the count
+    for i in range(2, 2 + 2 * timings.KEPT):
+        rec.incarnation = i
+        rec.recovery = Recovery(crashed().fault, Timeline(occurred=now - 10, detected=now - 9, step=7,
+                                                          incarnation=i - 1, diagnosed=now - 6))
+        views = {"n0": view("n0", 7, restored=7)}
+        assert timings.track(rec, views, {"step": 7, "seen": now - 2.0}) is not None
+    assert rec.recovered == 1 + 2 * timings.KEPT and len(rec.recoveries) == timings.KEPT
+    assert [r["n"] for r in rec.recoveries] == list(range(rec.recovered - timings.KEPT + 1, rec.recovered + 1))
+    assert timings.mttr(rec) == pytest.approx((4.0 + 2 * timings.KEPT * 8.0) / rec.recovered, abs=0.01)
+    status = {"recovered": rec.recovered, "recoveries": rec.recoveries}
+    assert timings.recovered(status) == rec.recovered
+    assert [r["n"] for r in timings.recoveries_after(status, rec.recovered - 2)] == [rec.recovered - 1, rec.recovered]
+
+
+def test_a_status_lists_the_newest_evicted_nodes_and_counts_them_all():
+    from rich.console import Console
+
+    from megascale.driver.display import job_table
+    from megascale.driver.reconcile import EVICTED_SHOWN
+
+    rec = record()
+    rec.nodes = [NodeSlot(f"n{i}", "evicted") for i in range(30)] + [NodeSlot("n30", "active", 0),
+                                                                     NodeSlot("n31", "spare")]
+    shown, evicted = rec.shown_slots(EVICTED_SHOWN), len(rec.slots("evicted"))
+    assert evicted == 30 and [s.node for s in shown] == [f"n{i}" for i in range(30 - EVICTED_SHOWN, 32)]
+    status = {"state": "Running", "evicted": evicted, "recovered": 31, "driver": "d",
+              "nodes": [{"node": s.node, "role": s.role} for s in shown]}
+    console = Console(width=200, record=True)
+    console.print(job_table("j", status))
+    text = console.export_text()
+    assert f"(and {30 - EVICTED_SHOWN} nodes evicted before these)" in text and "recoveries 31" in text
