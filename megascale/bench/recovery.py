@@ -9,6 +9,8 @@ the driver's own timings are reported. Stand-ins start in milliseconds, so this 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import random
@@ -21,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 import psutil
+import redis
 import yaml
 
 from megascale.bench import BenchFailed
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> dict:
                   # Silence and hang thresholds of 2 heartbeat intervals: the issue's detection goal.
                   "control": {"heartbeat_s": HEARTBEAT_S, "dead_after_s": 2 * HEARTBEAT_S,
                               "hang_after_s": HANG_AFTER_S,
-                              "selfcheck": False, "max_restarts": 10, "start_timeout_s": 90, "command_timeout_s": 20},
+                              "selfcheck": False, "max_restarts": 10 + count, "start_timeout_s": 90,
+                              "command_timeout_s": 20},
                   "checkpoint": {"uri": str(root / "ckpt"), "every": 10},
                   "train": {"steps": 100000, "run_dir": str(root / "runs")}}
         path = root / "job.yaml"
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
         handle = JobHandle.load(JOB)
         store = JobStore.from_url(handle.redis_url, JOB, secrets=handle.job_secrets())
         try:
-            status = lambda: json.loads(store.r.get(store.k_status) or "{}")  # noqa: E731
+            status = functools.partial(_job_status, store)
             wait_for(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
             injected = []
             driver_rss_mb, faults = [], []
@@ -93,7 +97,8 @@ def run(args: argparse.Namespace) -> dict:
                 driver_rss_mb.append(_rss_mb(JobHandle.load(JOB).driver_pid))
             final = status()
         finally:
-            store.set_desired("stopped")
+            with contextlib.suppress(redis.RedisError):  # a job that ended took its Redis with it
+                store.set_desired("stopped")
             wait_for(lambda: not handle.live() or JobHandle.load(JOB).final, 60, "the job to stop")
     gaps = [b - a for a, b in zip(injected, injected[1:])]
     return {
@@ -116,6 +121,16 @@ def run(args: argparse.Namespace) -> dict:
         "heartbeat_s": HEARTBEAT_S,
         **driver_growth(driver_rss_mb, len(kinds)),
     }
+
+
+def _job_status(store: JobStore) -> dict:
+    """The driver's status; a job that ended early (its services gone with it) fails the benchmark in one line."""
+    try:
+        return json.loads(store.r.get(store.k_status) or "{}")
+    except redis.RedisError:
+        final = JobHandle.load(JOB).final or {}
+        raise BenchFailed(f"the job ended before the benchmark did: {final.get('state', 'gone')} "
+                          f"{final.get('reason', '')}".rstrip()) from None
 
 
 def _rss_mb(pid: int | None) -> float | None:

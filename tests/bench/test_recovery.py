@@ -31,3 +31,20 @@ def test_driver_growth_is_fitted_past_two_cycles_of_fault_kinds():
     result = bench_recovery.driver_growth(one_time + settled, cycle=3)
     assert result["driver_rss_mb_per_100_recoveries"] == pytest.approx(2.0, abs=0.01)
     assert bench_recovery.driver_growth(one_time + [None] * 30, cycle=3)["driver_rss_mb_per_100_recoveries"] is None
+
+
+def test_a_job_that_ended_early_fails_the_benchmark_in_one_line(monkeypatch):
+    import redis
+
+    from megascale.bench import BenchFailed
+
+    class GoneRedis:
+        def get(self, key):
+            raise redis.ConnectionError("Connection refused")
+
+    store = argparse.Namespace(r=GoneRedis(), k_status="status")
+    final = argparse.Namespace(final={"state": "Failed", "reason": "restarts exhausted (10)"})
+    monkeypatch.setattr(bench_recovery.JobHandle, "load", staticmethod(lambda job: final))
+    ended = r"^the job ended before the benchmark did: Failed restarts exhausted \(10\)$"
+    with pytest.raises(BenchFailed, match=ended):
+        bench_recovery._job_status(store)
