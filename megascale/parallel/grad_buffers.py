@@ -24,6 +24,7 @@ for where it is issued (zero 2) or all are issued after the last backward (zero 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,6 +43,12 @@ class Bucket:
     shard_start: int  # offset of this rank's slice in the flat master shard
     params: list[int]  # indices into DistributedOptimizer.params
     eager: bool  # may reduce-scatter during backward (no cross-stage sum needed first)
+
+
+def _take_gradient(into: torch.Tensor, p: torch.Tensor) -> None:
+    """Adds the gradient autograd just accumulated in `p.grad` into `into` (fp32) and drops it."""
+    into.add_(p.grad.reshape(-1))
+    p.grad = None
 
 
 class _Gradients:
@@ -98,8 +105,7 @@ class FullGradients(_Gradients):
         grad_view = self.grad_buffer[off:off + numel]
 
         def hook(p: torch.Tensor) -> None:
-            grad_view.add_(p.grad.reshape(-1))
-            p.grad = None
+            _take_gradient(grad_view, p)
             self._accumulated[i] += 1
             if self._accumulated[i] == self.accumulations_per_step:
                 b = self.bucket_of[i]
@@ -181,8 +187,7 @@ class ShardedGradients(_Gradients):
         off = self.offsets[i] - bucket.start
 
         def hook(p: torch.Tensor) -> None:
-            self._staging_of(b)[off:off + numel].add_(p.grad.reshape(-1))
-            p.grad = None
+            _take_gradient(self._staging_of(b)[off:off + numel], p)
             self._contributions[b] += 1
             # A bucket is complete once it has as many gradients as parameters. (A bucket that
             # spans two virtual pipeline stages may count one stage's next microbatch first: the
@@ -270,13 +275,8 @@ class LocalGradients(_Gradients):
         return self.grad_shard.numel() * 4
 
     def _hook(self, i: int):
-        off, numel = self.offsets[i], self.params[i].numel()
-        grad_view = self.grad_shard[off:off + numel]
-
-        def hook(p: torch.Tensor) -> None:
-            grad_view.add_(p.grad.reshape(-1))
-            p.grad = None
-        return hook
+        off = self.offsets[i]
+        return functools.partial(_take_gradient, self.grad_shard[off:off + self.params[i].numel()])
 
     def begin_step(self, microbatches: int) -> None:
         """Nothing to count: there is no reduction to start."""
