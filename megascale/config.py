@@ -61,7 +61,7 @@ class ParallelismConfig:
     dp: int = 1
     sequence_parallel: bool = False
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    grad_bucket_mb: float = 4.0
+    grad_bucket_mb: Optional[float] = None  # None: about AUTO_BUCKETS buckets of this rank's gradients (zero.py)
     zero: Literal[1, 2] = 2  # 1: full gradient buffer per DP rank; 2: gradients sharded over DP too
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
 

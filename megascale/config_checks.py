@@ -28,7 +28,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     _positive("batch.global", b.global_)
     _positive("optimizer.lr", o.lr)
     _positive("train.steps", cfg.train.steps)
-    _positive("parallelism.grad_bucket_mb", p.grad_bucket_mb)
+    if p.grad_bucket_mb is not None:
+        _positive("parallelism.grad_bucket_mb", p.grad_bucket_mb)
     if m.hidden % m.heads:
         raise ConfigError(f"model.heads={m.heads} does not divide model.hidden={m.hidden}")
     if (m.hidden // m.heads) % 2:

@@ -13,7 +13,7 @@ bucket it is about to read.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,9 +29,23 @@ from megascale.parallel.topology import ParallelContext
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
+# Buckets per rank when parallelism.grad_bucket_mb is not set, and the bounds of one bucket's fp32 bytes.
+AUTO_BUCKETS, AUTO_BUCKET_MB = 8, (1.0, 64.0)
+
+
+def auto_bucket_numel(params: list[nn.Parameter]) -> int:
+    """Elements per bucket: about AUTO_BUCKETS buckets of these gradients, 1 to 64 MB each. Several buckets, so
+    the first one's reduce-scatter runs while backward computes the rest (a model whose rank holds less than
+    one fixed-size bucket had nothing to overlap: 1.08x slower at 8 ranks on a 0.2 Gbit/s emulated link); a
+    bounded size, so each collective stays large enough to run at the link's bandwidth."""
+    total = sum(p.numel() for p in params)
+    low, high = (int(mb * 2**20 / 4) for mb in AUTO_BUCKET_MB)
+    return min(max(-(-total // AUTO_BUCKETS), low), high)
+
 class DistributedOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext,
-                 cfg: OptimizerConfig, bucket_mb: float = 4.0, overlap: bool = True, zero: Literal[1, 2] = 2):
+                 cfg: OptimizerConfig, bucket_mb: Optional[float] = None, overlap: bool = True,
+                 zero: Literal[1, 2] = 2):
         self.ctx, self.cfg, self.overlap = ctx, cfg, overlap
         self.step_count = 0
         dp = ctx.dp.size
@@ -44,7 +58,7 @@ class DistributedOptimizer:
         self.offsets, self.buckets, self.bucket_of = [], [], []
         offset = bucket_start = shard_offset = 0
         members: list[int] = []
-        bucket_limit = max(1, int(bucket_mb * 2**20 / 4))
+        bucket_limit = max(1, int(bucket_mb * 2**20 / 4)) if bucket_mb else auto_bucket_numel(self.params)
         for i, p in enumerate(self.params):
             self.offsets.append(offset)
             self.bucket_of.append(len(self.buckets))

@@ -44,3 +44,25 @@ def test_one_dp_rank_accumulates_through_grad_views_and_steps_the_parameters_the
     for got, want in zip(model.parameters(), reference):
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     assert all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())  # zeroed for the next step
+
+
+def test_buckets_default_to_about_eight_of_the_ranks_gradients_within_1_to_64_mb():
+    """Several buckets, so the DP reduce-scatter of the first overlaps the rest of backward."""
+    import torch
+    import torch.nn as nn
+
+    from megascale.config import OptimizerConfig
+    from megascale.parallel.topology import single_device_context
+    from megascale.parallel.zero import DistributedOptimizer, auto_bucket_numel
+
+    def buckets(sizes: list[int], bucket_mb=None) -> int:
+        params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+        optimizer = DistributedOptimizer(params, single_device_context(), OptimizerConfig(), bucket_mb=bucket_mb)
+        return len(optimizer.buckets)
+
+    assert buckets([2**18] * 16) == 8  # 16 MB in 1 MB parameters: 2 MB buckets
+    assert buckets([2**20] * 4) == 4  # 16 MB in 4 MB parameters: a parameter is a bucket's smallest unit
+    assert buckets([1000] * 10) == 1  # under the 1 MB floor: one bucket
+    assert buckets([2**18] * 16, bucket_mb=1.0) == 16  # a set size is kept
+    huge = [nn.Parameter(torch.empty(2**28, device="meta")) for _ in range(10)]  # 10 GB of fp32 gradients
+    assert auto_bucket_numel(huge) == 64 * 2**20 // 4  # at the 64 MB ceiling
