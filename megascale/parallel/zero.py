@@ -42,6 +42,7 @@ def auto_bucket_numel(params: list[nn.Parameter]) -> int:
     low, high = (int(mb * 2**20 / 4) for mb in AUTO_BUCKET_MB)
     return min(max(-(-total // AUTO_BUCKETS), low), high)
 
+
 class DistributedOptimizer:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], ctx: ParallelContext,
                  cfg: OptimizerConfig, bucket_mb: Optional[float] = None, overlap: bool = True,
