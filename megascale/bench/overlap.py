@@ -4,9 +4,11 @@ and tp2×pp2×dp2 on an emulated network (`emulated`), where communication costs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
+from typing import Callable, Iterator
 
 from megascale.common import netemu
 from megascale.config import JobConfig, from_dict
@@ -94,21 +96,28 @@ def place(job: str, layout: Layout, rank: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
 
 
+@contextlib.contextmanager
+def emulated_nodes(job: str, layout: Layout, link_gbit: float) -> Iterator[Callable[[int], None]]:
+    """`job`'s network of `layout`'s nodes (node_of), each behind a `link_gbit` link, removed on leaving; yields
+    `place(rank)`, which puts a rank process onto its node (run_ranks' `place`)."""
+    net = netemu.create(job)
+    try:
+        for node in sorted({node_of(r, layout) for r in range(layout.world_size)}):
+            netemu.add_node(net, node, link_gbit)
+        yield functools.partial(place, job, layout)
+    finally:
+        netemu.teardown(job)
+
+
 def emulated(quick: bool, steps: int, link_gbit: float = LINK_GBIT) -> dict:
     """tp2×pp2×dp2 overlap off vs on across a `link_gbit` link per node; one line saying why when it cannot run."""
     try:
         netemu.require_net_admin()
     except netemu.NetworkError as e:
         return {"not_run": str(e)}
-    job, layout = f"bench-overlap-{os.getpid()}", Layout(**EMULATED)
-    net = netemu.create(job)
-    try:
-        for node in sorted({node_of(r, layout) for r in range(layout.world_size)}):
-            netemu.add_node(net, node, link_gbit)
-        on_node = functools.partial(place, job, layout)
+    layout = Layout(**EMULATED)
+    with emulated_nodes(f"bench-overlap-{os.getpid()}", layout, link_gbit) as on_node:
         off, on = (_measure(EMULATED, switch, quick, steps, place=on_node, backend="gloo") for switch in (False, True))
-    finally:
-        netemu.teardown(job)
     reduction = {kind: _reduction(on["exposed_s"][kind], off["exposed_s"][kind]) for kind in COMM_KINDS}
     figures = {"dp": reduction["dp"], "pp": reduction["pp"], "step_speedup": off["step_time_s"] / on["step_time_s"],
                "comm_share_off": sum(off["exposed_s"].values()) / off["step_time_s"]}

@@ -7,7 +7,6 @@ peer's cell is invalid (no tokens/s, a `why`). A cell a peer cannot run at all a
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -189,14 +188,8 @@ def emulated(quick: bool, steps: int, rounds: int, missing: bool, link_gbit: flo
     except netemu.NetworkError as e:
         return {"not_run": str(e)}
     name, cfg = "tp2_pp2_dp2", peer_job(CONFIGS["tp2_pp2_dp2"], quick)
-    job, layout = f"bench-peers-{os.getpid()}", layout_of(cfg)
-    net = netemu.create(job)
-    try:
-        for node in sorted({overlap.node_of(r, layout) for r in range(layout.world_size)}):
-            netemu.add_node(net, node, link_gbit)
-        cells = _measure_config(cfg, steps, rounds, missing, place=functools.partial(overlap.place, job, layout))
-    finally:
-        netemu.teardown(job)
+    with overlap.emulated_nodes(f"bench-peers-{os.getpid()}", layout_of(cfg), link_gbit) as place:
+        cells = _measure_config(cfg, steps, rounds, missing, place=place)
     tokens = {impl: {name: cells[impl][0]} for impl in IMPLS}
     losses = {impl: {name: cells[impl][1]} for impl in IMPLS}
     why = {impl: {name: cells[impl][2]} if cells[impl][2] else {} for impl in IMPLS}
