@@ -288,6 +288,12 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> JobC
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: a directory, not a config file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
@@ -352,8 +358,13 @@ def new_run_dir(cfg: JobConfig, name: str) -> Path:
         except FileExistsError:
             attempt += 1
             run_dir = stem.with_name(f"{stem.name}-{attempt}")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    save_config(cfg, run_dir)
     return run_dir
+
+
+def save_config(cfg: JobConfig, run_dir: Path) -> None:
+    """`cfg` as the run's config.yaml, which `megascale train RUN_DIR --resume` and `megascale export` read."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def with_run_dir(cfg: JobConfig, run_dir: str | Path) -> JobConfig:

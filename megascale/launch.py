@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megascale.common.lifetime import die_with_parent
-from megascale.config import CommConfig, JobConfig, new_run_dir, with_run_dir
+from megascale.config import CommConfig, JobConfig, new_run_dir, save_config, with_run_dir
 from megascale.parallel.topology import Layout
 from megascale.rank import init_rank, resolve_backend, shutdown_rank
 from megascale.train import layout_of, train_rank
@@ -100,12 +100,16 @@ def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = 
         return results
 
 
-def launch_local(cfg: JobConfig, progress: bool = True) -> int:
-    """Trains `cfg` on this machine, one process per rank; returns a process exit code."""
+def launch_local(cfg: JobConfig, progress: bool = True, run_dir: Optional[Path] = None) -> int:
+    """Trains `cfg` on this machine, one process per rank, in a new run directory or in `run_dir` (a run
+    going on: its config.yaml becomes `cfg`); returns a process exit code."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    run_dir = new_run_dir(cfg, cfg.name)
-    cfg = with_run_dir(cfg, run_dir)
+    if run_dir is None:
+        run_dir = new_run_dir(cfg, cfg.name)
+        cfg = with_run_dir(cfg, run_dir)
+    else:
+        save_config(cfg, run_dir)
     queue = mp.get_context("fork").SimpleQueue() if progress else None
     layout = layout_of(cfg)
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),

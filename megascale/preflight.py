@@ -3,6 +3,7 @@ cannot run fails here in one line, not after control.max_restarts identical cras
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig
@@ -21,10 +22,13 @@ def preflight(cfg: JobConfig) -> JobConfig:
         _existing("eval.data", cfg.eval.data)
     check_wandb(cfg)
     try:
-        check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem,
-                             cfg.checkpoint.filesystem_options, model=cfg.to_dict()["model"])
+        committed = check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem,
+                                         cfg.checkpoint.filesystem_options, model=cfg.to_dict()["model"])
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    if cfg.checkpoint.resume and committed == []:  # said here, not only in rank 0's log
+        print(f"checkpoint.resume: no committed checkpoint under {cfg.checkpoint.uri} yet: starting from step 0",
+              file=sys.stderr)
     if cfg.checkpoint.init_from:
         from megascale.interop import checked_init_from
 

@@ -254,20 +254,25 @@ def check_compatible(manifest: dict, model: dict, parts: Sequence[str] = ()) -> 
 
 
 def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[str] = None,
-                         options: Optional[Mapping[str, str]] = None, model: Optional[dict] = None) -> None:
+                         options: Optional[Mapping[str, str]] = None,
+                         model: Optional[dict] = None) -> Optional[list[int]]:
     """Before a job starts (CheckpointError, one line, naming the fix): a fresh job's checkpoint.uri must
     not hold another run's checkpoints (its restarts would restore those), and a resumed job's newest
     checkpoint must be in a format this version reads and, given the job's `model` section, of that
     model. Storage that cannot be listed from here is StorageUnreadable for a fresh job, and left to
-    the ranks for a resumed one."""
+    the ranks for a resumed one. Returns the committed steps, or None where none were listed."""
+    if uri and RUN_DIR in uri and resume:
+        raise CheckpointError(
+            f"checkpoint.uri={uri} gives every run checkpoints of its own, so checkpoint.resume finds none in a "
+            f"new run: continue a run with `megascale train RUN_DIR --resume`, or set a fixed checkpoint.uri")
     if not uri or RUN_DIR in uri:
-        return
+        return None
     try:
         storage = open_storage(uri, filesystem, options)
         steps = committed_steps(storage)
     except OSError as e:
         if resume:
-            return
+            return None
         raise StorageUnreadable(f"checkpoint.uri={uri}: cannot list it: {e}") from None
     if resume:
         manifest = None
@@ -281,12 +286,13 @@ def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[
             pass
         if manifest is not None and model is not None:
             check_compatible(manifest, model)
-        return
+        return steps
     if steps:
         raise CheckpointError(
             f"checkpoint.uri={uri} already holds committed checkpoints (newest step {steps[-1]}) of an earlier run: "
             f"set checkpoint.resume: true to continue from them, or use a new checkpoint.uri "
             f"(\"{{run_dir}}/checkpoints\" gives every run its own)")
+    return steps
 
 
 def apply_retention(storage: Storage, keep: int) -> list[int]:

@@ -10,10 +10,12 @@ import sys
 import time
 
 import psutil
+import pytest
 import yaml
 
 from megascale.checkpoint import committed_steps, open_storage, shutdown_keeper
 from megascale.cli import main
+from megascale.config import ConfigError, load_config
 
 
 def metrics(run_root) -> list[dict]:
@@ -43,6 +45,41 @@ def test_train_saves_every_n_steps_and_resume_continues_exactly(tmp_path):
     first, second = metrics(tmp_path / "first"), metrics(tmp_path / "second")
     assert [m["step"] for m in second] == [5, 6]
     assert [m["loss"] for m in second] == [m["loss"] for m in first[4:]]
+
+
+def test_a_run_directory_goes_on_with_resume_in_place_on_another_layout(tmp_path, capsys):
+    """With "{run_dir}/checkpoints" every run has its own: `megascale train RUN_DIR --resume` continues that
+    run there (its checkpoints, metrics.jsonl, config.yaml, with --set applied); resuming a new run of the
+    job YAML, which can find nothing, is refused in one line naming the command."""
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "per-run",
+        "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
+        "batch": {"micro": 1, "global": 2}, "optimizer": {"lr": 0.02},
+        "checkpoint": {"uri": "{run_dir}/checkpoints", "every": 2, "memory_every": 0},
+        "train": {"steps": 4, "run_dir": str(tmp_path / "runs")}}))
+    assert main(["train", str(config), "--quiet", "--steps", "2"]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    capsys.readouterr()
+    for argv, said in ((["train", str(config), "--resume"], "continue a run with `megascale train RUN_DIR --resume`"),
+                       (["train", str(run_dir / "config.yaml"), "--resume"], f"`megascale train {run_dir} --resume`"),
+                       (["train", str(run_dir)], "continue that run with --resume"),
+                       (["train", str(tmp_path / "runs"), "--resume"], "not a run directory (no config.yaml)")):
+        assert main(argv + ["--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and "\n" not in err and "Traceback" not in err
+    assert main(["train", str(run_dir), "--resume", "--quiet", "--steps", "4", "--set", "parallelism.dp=2"]) == 0
+    assert [m["step"] for m in metrics(tmp_path / "runs")] == [1, 2, 3, 4]  # 3 and 4 appended: resumed at 2
+    assert committed_steps(open_storage(str(run_dir / "checkpoints"))) == [2, 4]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallelism"]["dp"] == 2
+
+
+def test_a_config_that_is_no_yaml_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "binary").write_bytes(bytes(range(256)))
+    assert main(["train", str(tmp_path / "binary"), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == f"ConfigError: {tmp_path / 'binary'}: not a text file"
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: a directory, not a config file$"):
+        load_config(tmp_path)  # as `megascale run DIR` reads it
 
 
 def two_step_job(tmp_path):
