@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", nargs="?", help="job name: its newest run under --runs-root, or its data in --parquet")
+    parser.add_argument("job", nargs="?", help="job name: its newest run under --runs-root, or its data in --parquet; "
+                        "or a run directory")
     parser.add_argument("--run-dir", help="a run directory with timings-rank<R>.jsonl (from `megascale train`)")
     parser.add_argument("--parquet", help="the driver's metrics store (Parquet root)")
     parser.add_argument("--runs-root", default="runs", help="where local runs are (default ./runs)")

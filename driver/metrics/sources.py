@@ -99,6 +99,14 @@ def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Opti
             raise FileNotFoundError(f"no job {job!r} in {parquet} (found: {', '.join(jobs) or 'none'}); "
                                     f"name one of them")
         return ParquetSource(store, job)
+    if job and Path(job).is_dir():  # a run directory, as `megascale export RUN_DIR` takes one
+        run = Path(job)
+        if any(run.glob("timings-rank*.jsonl")):
+            return RunDirSource(run)
+        stores = sorted((run / "metrics").glob("job=*"))
+        if stores:
+            return ParquetSource(ParquetStore(run / "metrics"), stores[0].name.removeprefix("job="))
+        raise FileNotFoundError(f"{run}: no per-rank timings (timings-rank*.jsonl or metrics/) in this directory")
     if job:
         candidates = sorted((p for p in Path(runs_root).glob(f"{job}-*")
                              if any(p.glob("timings-rank*.jsonl")) or (p / "metrics" / f"job={job}").is_dir()),

@@ -195,6 +195,20 @@ def test_trace_cli_from_a_job_name_and_from_a_run_dir(real_run, tmp_path, facts,
     assert run_cli("trace", "nosuchjob", "--runs-root", str(runs), "-o", str(out)) == 2
     assert "no run of job 'nosuchjob'" in capsys.readouterr().err
     assert run_cli("trace", "--run-dir", str(run), "--steps", "9:3", "-o", str(out)) == 2
+    assert run_cli("trace", str(run), "--steps", "2:5", "-o", str(out)) == 0  # a run directory as the JOB
+    assert json.loads(out.read_text())["otherData"]["steps"] == [2, 5]
+    capsys.readouterr()
+    assert run_cli("trace", str(tmp_path), "-o", str(out)) == 2
+    assert f"{tmp_path}: no per-rank timings" in capsys.readouterr().err
+
+
+def test_a_driver_run_directory_is_read_through_its_metrics_store(real_run, tmp_path):
+    from megascale.driver.metrics.sources import ParquetSource, open_source
+    from megascale.driver.metrics.store import ParquetStore
+
+    ParquetStore(tmp_path / "metrics").write("demo", real_run, node="node0", incarnation=1)
+    source = open_source(str(tmp_path))
+    assert isinstance(source, ParquetSource) and source.job == "demo"
 
 
 def test_dashboard_reads_the_drivers_parquet_store_and_status(real_run, tmp_path, facts):
