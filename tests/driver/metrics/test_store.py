@@ -97,6 +97,23 @@ def test_real_run_timings_round_trip_through_kafka_into_parquet(kafka, real_run,
     assert store.step_range(job) == (steps[0], steps[-1] + 1)
 
 
+def test_timings_batches_travel_gzipped(kafka, real_run):
+    """The broker keeps what it is sent (the embedded one in memory): a batch of timings goes compressed."""
+    from megascale.executor.metrics_publisher import KafkaSender
+
+    sender = KafkaSender(kafka)
+    errors: list[Exception] = []
+    try:
+        for start in range(0, len(real_run), 16):
+            batch = Timings(job="demo", node="node0", time=time.time(), records=real_run[start:start + 16])
+            sender.send(topic("demo", "metrics"), b"node0", encode_message(batch), errors.append)
+        sender.producer.flush(timeout=10)
+        rate = sender.producer.metrics()["producer-metrics"]["compression-rate-avg"]
+    finally:
+        sender.close()
+    assert not errors and 0 < rate < 0.5  # compressed size / original size
+
+
 class GatedSender:
     """A sender stuck until `gate` opens, as a producer is when the broker is unreachable."""
 
