@@ -199,3 +199,19 @@ def test_flight_records_come_only_from_ranks_whose_process_group_is_up_in_this_i
     records = json.loads(detail)
     assert ok and [r["op"] for r in records["0"]] == ["all_reduce"]
     assert records["1"] == {"error": "rank 1 has no process group in this incarnation yet"}
+
+
+def test_heartbeats_travel_gzipped(redis_server, broker, tmp_path):
+    """The broker keeps what it is sent (the embedded one in memory): heartbeats go compressed."""
+    from megascale.executor.daemon import Executor
+
+    executor = Executor("j", "n0", redis_server.url, broker.bootstrap, tmp_path)
+    try:
+        for _ in range(5):
+            executor._heartbeat()
+        executor._producer.flush(timeout=10)
+        rate = executor._producer.metrics()["producer-metrics"]["compression-rate-avg"]
+    finally:
+        executor._producer.close(timeout=2)
+        executor.timings.close()
+    assert 0 < rate < 0.8  # compressed size / original size
