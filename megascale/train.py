@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -315,6 +316,9 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
             load_hf_weights(trainer.optimizer, ctx, cfg.model, hf_dir_of(ckpt.init_from))
         if on_start is not None:
             on_start(trainer.step_index)
+        if trainer.step_index >= cfg.train.steps and ctx.rank == 0:  # on the terminal, not only in the log
+            print(f"nothing to train: resumed at step {trainer.step_index}, train.steps={cfg.train.steps} "
+                  "(more with --steps N)", file=sys.stderr)
         reporter = ctx.tp.rank == 0 and ctx.dp.rank == 0 and ctx.is_last_stage
         evaluator = Evaluator(trainer, eval_source) if eval_source else None
         experiment = started.enter_context(contextlib.closing(ExperimentLog(cfg, ctx.rank, ctx.device, run_dir,

@@ -47,7 +47,7 @@ def test_train_saves_every_n_steps_and_resume_continues_exactly(tmp_path):
     assert [m["loss"] for m in second] == [m["loss"] for m in first[4:]]
 
 
-def test_a_run_directory_goes_on_with_resume_in_place_on_another_layout(tmp_path, capsys):
+def test_a_run_directory_goes_on_with_resume_in_place_on_another_layout(tmp_path, capfd):
     """With "{run_dir}/checkpoints" every run has its own: `megascale train RUN_DIR --resume` continues that
     run there (its checkpoints, metrics.jsonl, config.yaml, with --set applied); resuming a new run of the
     job YAML, which can find nothing, is refused in one line naming the command."""
@@ -60,18 +60,21 @@ def test_a_run_directory_goes_on_with_resume_in_place_on_another_layout(tmp_path
         "train": {"steps": 4, "run_dir": str(tmp_path / "runs")}}))
     assert main(["train", str(config), "--quiet", "--steps", "2"]) == 0
     (run_dir,) = (tmp_path / "runs").iterdir()
-    capsys.readouterr()
+    capfd.readouterr()
     for argv, said in ((["train", str(config), "--resume"], "continue a run with `megascale train RUN_DIR --resume`"),
                        (["train", str(run_dir / "config.yaml"), "--resume"], f"`megascale train {run_dir} --resume`"),
                        (["train", str(run_dir)], "continue that run with --resume"),
                        (["train", str(tmp_path / "runs"), "--resume"], "not a run directory (no config.yaml)")):
         assert main(argv + ["--quiet"]) == 2
-        err = capsys.readouterr().err.strip()
+        err = capfd.readouterr().err.strip()
         assert said in err and "\n" not in err and "Traceback" not in err
     assert main(["train", str(run_dir), "--resume", "--quiet", "--steps", "4", "--set", "parallelism.dp=2"]) == 0
     assert [m["step"] for m in metrics(tmp_path / "runs")] == [1, 2, 3, 4]  # 3 and 4 appended: resumed at 2
     assert committed_steps(open_storage(str(run_dir / "checkpoints"))) == [2, 4]
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallelism"]["dp"] == 2
+    capfd.readouterr()
+    assert main(["train", str(run_dir), "--resume", "--quiet"]) == 0  # train.steps=4 is saved, and reached
+    assert "nothing to train: resumed at step 4, train.steps=4 (more with --steps N)" in capfd.readouterr().err
 
 
 def test_a_config_that_is_no_yaml_file_is_one_line(tmp_path, capsys):
