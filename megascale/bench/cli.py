@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "and report the driver's memory growth per 100 recoveries")
     bench.add_argument("--minutes", type=float, default=0.0, metavar="N",
                        help="soak: how long to run (0 = 30 minutes, 3 with --quick)")
+    bench.add_argument("--samples", metavar="FILE",
+                       help="soak: also write the raw samples its slopes and drift were fitted from (JSON)")
     bench.set_defaults(func=_bench)
 
 

@@ -1,8 +1,9 @@
-"""`megascale bench soak [--minutes N] [--fault-interval S] [--quick]`: the main example's shape (2 nodes x 4
-GPT ranks, tp2·pp2(vpp2)·dp2, + a spare; real Redis, broker, driver, executors, keepers, checkpoints) run for N
-minutes while every fault kind is injected in turn at seeded random times, then measured the way a team running
-for weeks would: what each fault kind cost, whether anything leaks, whether steps slow down, whether recovery
-replayed exactly, and whether the job left anything behind.
+"""`megascale bench soak [--minutes N] [--fault-interval S] [--quick] [--samples FILE]`: the main example's
+shape (2 nodes x 4 GPT ranks, tp2·pp2(vpp2)·dp2, + a spare; real Redis, broker, driver, executors, keepers,
+checkpoints) run for N minutes while every fault kind is injected in turn at seeded random times, then measured
+the way a team running for weeks would: what each fault kind cost, whether anything leaks, whether steps slow
+down, whether recovery replayed exactly, and whether the job left anything behind. `--samples FILE` keeps the
+raw samples the slopes and drift were fitted from.
 
 Faults (issue 21), one every `--fault-interval` seconds on average, each once the job runs again:
   kill-rank, kill-executor, hang-rank (SIGSTOP), freeze-node (executor SIGSTOP), crash-mid-persist (a rank
@@ -34,6 +35,7 @@ import yaml
 from kafka import KafkaConsumer, TopicPartition
 
 import megascale.data
+from megascale.bench import BenchFailed
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
@@ -322,6 +324,12 @@ def run(args: argparse.Namespace) -> dict:
     interval = getattr(args, "fault_interval", 0.0) or (30.0 if quick else 120.0)
     if minutes <= 0 or interval <= 0:
         raise SystemExit("megascale bench soak: --minutes and --fault-interval must be > 0")
+    samples_file = getattr(args, "samples", None)
+    if samples_file:  # a path that cannot be written fails now, not after the run
+        try:
+            Path(samples_file).write_text("")
+        except OSError as e:
+            raise BenchFailed(f"--samples {samples_file}: {e.strerror}") from None
     rng = random.Random(21)
     shm_before, tmp_before = set(os.listdir("/dev/shm")), {n for n in os.listdir(tempfile.gettempdir())
                                                              if "megascale" in n}
@@ -350,7 +358,16 @@ def run(args: argparse.Namespace) -> dict:
         time.sleep(2)  # the supervisor's last clean-up
         left = leftovers(root, shm_before, tmp_before)
     result = report(soak, injected, final_status, metrics, losses, left, interval)
+    if samples_file:
+        save_samples(Path(samples_file), soak, injected, metrics)
     return {**result, "minutes": round((time.time() - started) / 60, 1), "redis_keys_at_end": keys}
+
+
+def save_samples(path: Path, soak: Soak, injected: list[dict], metrics: list[dict]) -> None:
+    """What the report was fitted from, for looking into a slope or a drift: every leak sample (per process:
+    kind, RSS, fds, threads), the step progress, the injections and the committed steps' metrics."""
+    path.write_text(json.dumps({"samples": soak.samples, "progress": soak.progress, "injected": injected,
+                                "metrics": metrics}))
 
 
 def redis_keys_by_prefix(store: JobStore) -> dict[str, int]:

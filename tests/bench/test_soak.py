@@ -2,9 +2,15 @@
 (The soak itself runs for minutes with 8 real ranks: a command, recorded in BENCHMARKS.md, not a test.)"""
 from __future__ import annotations
 
+import argparse
+import json
+from types import SimpleNamespace
+
 import pytest
 
-from megascale.bench.soak import life_key, lost_seconds, process_kind, process_slopes, slope_per_hour, step_time_drift
+from megascale.bench import BenchFailed
+from megascale.bench.soak import (life_key, lost_seconds, process_kind, process_slopes, run, save_samples,
+                                  slope_per_hour, step_time_drift)
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
@@ -73,3 +79,18 @@ def test_a_standby_that_becomes_a_rank_starts_a_new_life():
     slopes = process_slopes(samples, "rss_mb", after_s=60, min_span_s=240)
     assert slopes["executor.rank"] == {"worst": pytest.approx(0.0), "processes": 2}
     assert life_key(7, 12.5, ["/venv/bin/python", "-m", "megascale.executor.rank", "spec.json"], 1) == "7@12.50"
+
+
+def test_the_raw_samples_are_saved_to_refit_and_a_bad_path_fails_before_the_run(tmp_path):
+    samples = [{"time": 30.0 * i, "processes": {"5@1.00": {"kind": "driver", "rss_mb": 300.0 + i, "fds": 9,
+                                                            "threads": 9}}} for i in range(41)]
+    soak = SimpleNamespace(samples=samples, progress=[(0.0, 1), (30.0, 40)])
+    path = tmp_path / "samples.json"
+    save_samples(path, soak, injected=[{"kind": "kill-rank", "time": 12.0}], metrics=[{"step": 1, "loss": 2.0}])
+    saved = json.loads(path.read_text())
+    assert process_slopes(saved["samples"], "rss_mb", 300, 600) == {"driver": {"worst": pytest.approx(120.0),
+                                                                               "processes": 1}}
+    assert saved["injected"][0]["kind"] == "kill-rank" and saved["metrics"] == [{"step": 1, "loss": 2.0}]
+    with pytest.raises(BenchFailed, match=r"^--samples .*/no/samples.json: No such file or directory$"):
+        run(argparse.Namespace(quick=True, minutes=0.0, fault_interval=0.0,
+                               samples=str(tmp_path / "no" / "samples.json")))
