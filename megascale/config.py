@@ -363,8 +363,14 @@ def new_run_dir(cfg: JobConfig, name: str) -> Path:
 
 
 def save_config(cfg: JobConfig, run_dir: Path) -> None:
-    """`cfg` as the run's config.yaml, which `megascale train RUN_DIR --resume` and `megascale export` read."""
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """`cfg` as the run's config.yaml, which `megascale train RUN_DIR --resume` and `megascale export` read.
+    A checkpoint.uri inside the run is saved as "{run_dir}/...", as a new run saves it, so that a run
+    continued in place and then moved or copied still restores from its own checkpoints."""
+    saved = cfg.to_dict()
+    uri, inside = cfg.checkpoint.uri, str(Path(run_dir).resolve())
+    if uri and (uri == inside or uri.startswith(inside + "/")):
+        saved["checkpoint"]["uri"] = RUN_DIR + uri[len(inside):]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
 
 
 def with_run_dir(cfg: JobConfig, run_dir: str | Path) -> JobConfig:

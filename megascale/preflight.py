@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Optional
 
 from megascale.config import ConfigError, JobConfig
 
 
-def preflight(cfg: JobConfig) -> JobConfig:
+def preflight(cfg: JobConfig, uri_field: str = "checkpoint.uri", when_held: Optional[str] = None) -> JobConfig:
     """`cfg` with data.path (and a data.tokenizer path) absolute, once its inputs exist and its
     checkpoint.uri is fit for a fresh start (or, resuming, holds a checkpoint of this model, which
-    restores onto any parallelism); ConfigError naming the field otherwise."""
+    restores onto any parallelism); ConfigError naming the field otherwise. `uri_field` and `when_held`
+    as in check_checkpoint_uri, for a command that takes the uri as an argument of its own."""
     from megascale.checkpoint import CheckpointError, check_checkpoint_uri
     from megascale.experiment_log import check_wandb
 
@@ -23,7 +25,8 @@ def preflight(cfg: JobConfig) -> JobConfig:
     check_wandb(cfg)
     try:
         committed = check_checkpoint_uri(cfg.checkpoint.uri, cfg.checkpoint.resume, cfg.checkpoint.filesystem,
-                                         cfg.checkpoint.filesystem_options, model=cfg.to_dict()["model"])
+                                         cfg.checkpoint.filesystem_options, model=cfg.to_dict()["model"],
+                                         field=uri_field, when_held=when_held)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     if cfg.checkpoint.resume and committed == []:  # said here, not only in rank 0's log

@@ -100,25 +100,29 @@ def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Opti
                                     f"name one of them")
         return ParquetSource(store, job)
     if job and Path(job).is_dir():  # a run directory, as `megascale export RUN_DIR` takes one
-        run = Path(job)
-        if any(run.glob("timings-rank*.jsonl")):
-            return RunDirSource(run)
-        stores = sorted((run / "metrics").glob("job=*"))
-        if stores:
-            return ParquetSource(ParquetStore(run / "metrics"), stores[0].name.removeprefix("job="))
-        raise FileNotFoundError(f"{run}: no per-rank timings (timings-rank*.jsonl or metrics/) in this directory")
+        source = _source_of_run(Path(job))
+        if source is None:
+            raise FileNotFoundError(f"{job}: no per-rank timings (timings-rank*.jsonl or metrics/) in this directory")
+        return source
     if job:
-        candidates = sorted((p for p in Path(runs_root).glob(f"{job}-*")
-                             if any(p.glob("timings-rank*.jsonl")) or (p / "metrics" / f"job={job}").is_dir()),
-                            key=lambda p: p.stat().st_mtime)
-        if candidates:
-            newest = candidates[-1]
-            if (newest / "metrics" / f"job={job}").is_dir():  # a driver runs it: its store has the live status
-                return ParquetSource(ParquetStore(newest / "metrics"), job)
-            return RunDirSource(newest)
-        raise FileNotFoundError(f"no run of job {job!r} with per-rank timings under {runs_root}/; "
-                                f"pass --run-dir RUN or --parquet DIR")
+        runs = sorted(Path(runs_root).glob(f"{job}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+        source = next((s for run in runs if (s := _source_of_run(run, job)) is not None), None)
+        if source is None:
+            raise FileNotFoundError(f"no run of job {job!r} with per-rank timings under {runs_root}/; "
+                                    f"pass --run-dir RUN or --parquet DIR")
+        return source
     raise FileNotFoundError("name a JOB, --run-dir RUN or --parquet DIR")
+
+
+def _source_of_run(run: Path, job: Optional[str] = None) -> Optional[TimingsSource]:
+    """A run directory's timings (of `job`, when given): its driver's metrics store where a driver ran it,
+    since that one has the live status, else its ranks' own timings files; None where it has neither."""
+    stores = sorted((run / "metrics").glob(f"job={job or '*'}"))
+    if stores and stores[0].is_dir():
+        return ParquetSource(ParquetStore(run / "metrics"), stores[0].name.removeprefix("job="))
+    if any(run.glob("timings-rank*.jsonl")):
+        return RunDirSource(run)
+    return None
 
 
 def _yaml(path: Path) -> dict:

@@ -255,12 +255,14 @@ def check_compatible(manifest: dict, model: dict, parts: Sequence[str] = ()) -> 
 
 def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[str] = None,
                          options: Optional[Mapping[str, str]] = None,
-                         model: Optional[dict] = None) -> Optional[list[int]]:
+                         model: Optional[dict] = None, field: str = "checkpoint.uri",
+                         when_held: Optional[str] = None) -> Optional[list[int]]:
     """Before a job starts (CheckpointError, one line, naming the fix): a fresh job's checkpoint.uri must
     not hold another run's checkpoints (its restarts would restore those), and a resumed job's newest
     checkpoint must be in a format this version reads and, given the job's `model` section, of that
     model. Storage that cannot be listed from here is StorageUnreadable for a fresh job, and left to
-    the ranks for a resumed one. Returns the committed steps, or None where none were listed."""
+    the ranks for a resumed one. Returns the committed steps, or None where none were listed. `field`
+    names the uri in those lines, and `when_held` replaces the advice for a fresh uri that holds some."""
     if uri and RUN_DIR in uri and resume:
         raise CheckpointError(
             f"checkpoint.uri={uri} gives every run checkpoints of its own, so checkpoint.resume finds none in a "
@@ -273,7 +275,7 @@ def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[
     except OSError as e:
         if resume:
             return None
-        raise StorageUnreadable(f"checkpoint.uri={uri}: cannot list it: {e}") from None
+        raise StorageUnreadable(f"{field}={uri}: cannot list it: {e}") from None
     if resume:
         manifest = None
         try:
@@ -288,10 +290,10 @@ def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[
             check_compatible(manifest, model)
         return steps
     if steps:
-        raise CheckpointError(
-            f"checkpoint.uri={uri} already holds committed checkpoints (newest step {steps[-1]}) of an earlier run: "
-            f"set checkpoint.resume: true to continue from them, or use a new checkpoint.uri "
-            f"(\"{{run_dir}}/checkpoints\" gives every run its own)")
+        advice = when_held or ("set checkpoint.resume: true to continue from them, or use a new checkpoint.uri "
+                               "(\"{run_dir}/checkpoints\" gives every run its own)")
+        raise CheckpointError(f"{field}={uri} already holds committed checkpoints (newest step {steps[-1]}) of an "
+                              f"earlier run: {advice}")
     return steps
 
 

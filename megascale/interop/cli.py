@@ -45,26 +45,18 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from megascale.checkpoint import CheckpointError, committed_steps, open_storage, shutdown_keeper
-    from megascale.config import ConfigError, load_config
+    from megascale.checkpoint import shutdown_keeper
+    from megascale.config import load_config
     from megascale.interop.load import INIT_PREFIX, import_rank
     from megascale.launch import run_ranks
     from megascale.preflight import preflight
     from megascale.train import layout_of
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        held = committed_steps(open_storage(args.out, cfg.checkpoint.filesystem, cfg.checkpoint.filesystem_options))
-    except OSError:
-        held = []  # preflight names an unreadable uri
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    if held:  # (preflight's own line would advise resuming from them)
-        raise ConfigError(f"OUT_CHECKPOINT={args.out} already holds committed checkpoints (newest step {held[-1]}): "
-                          "import into a uri that holds none")
     checkpoint = dataclasses.replace(cfg.checkpoint, uri=args.out, init_from=f"{INIT_PREFIX}{args.directory}",
                                      resume=False, every=0)
-    cfg = preflight(dataclasses.replace(cfg, checkpoint=checkpoint))
+    cfg = preflight(dataclasses.replace(cfg, checkpoint=checkpoint), uri_field="OUT_CHECKPOINT",
+                    when_held="import into a uri that holds none")
     try:
         run_ranks(import_rank, layout_of(cfg), cfg, sequence_parallel=cfg.parallelism.sequence_parallel,
                   backend=cfg.parallelism.backend, comm=cfg.comm)

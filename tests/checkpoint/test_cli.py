@@ -71,10 +71,14 @@ def test_a_run_directory_goes_on_with_resume_in_place_on_another_layout(tmp_path
     assert main(["train", str(run_dir), "--resume", "--quiet", "--steps", "4", "--set", "parallelism.dp=2"]) == 0
     assert [m["step"] for m in metrics(tmp_path / "runs")] == [1, 2, 3, 4]  # 3 and 4 appended: resumed at 2
     assert committed_steps(open_storage(str(run_dir / "checkpoints"))) == [2, 4]
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["parallelism"]["dp"] == 2
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (saved["parallelism"]["dp"], saved["checkpoint"]["uri"]) == (2, "{run_dir}/checkpoints")
     capfd.readouterr()
     assert main(["train", str(run_dir), "--resume", "--quiet"]) == 0  # train.steps=4 is saved, and reached
     assert "nothing to train: resumed at step 4, train.steps=4 (more with --steps N)" in capfd.readouterr().err
+    moved = run_dir.rename(tmp_path / "moved")  # a run continued in place still restores its own once moved
+    assert main(["train", str(moved), "--resume", "--quiet", "--steps", "6"]) == 0
+    assert committed_steps(open_storage(str(moved / "checkpoints"))) == [2, 4, 6]
 
 
 def test_a_config_that_is_no_yaml_file_is_one_line(tmp_path, capsys):

@@ -88,8 +88,8 @@ def import_then_resume(tmp_path, directory, cfg_dict: dict) -> float:
     assert done.returncode == 0, done.stderr[-3000:]
     assert committed_steps(open_storage(uri)) == [0]
     again = megascale("import", "--from", "hf", str(directory), "--config", str(config), uri, cwd=tmp_path)
-    refused = (f"ConfigError: OUT_CHECKPOINT={uri} already holds committed checkpoints (newest step 0): "
-               "import into a uri that holds none")
+    refused = (f"ConfigError: OUT_CHECKPOINT={uri} already holds committed checkpoints (newest step 0) of an "
+               "earlier run: import into a uri that holds none")
     assert (again.returncode, again.stderr.strip()) == (2, refused)
     cfg_dict["checkpoint"] = {"uri": uri, "resume": True}
     config.write_text(yaml.safe_dump(cfg_dict))
