@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import redis
 
 from megascale.common.auth import SecretsError, redacted
+from megascale.common.errors import first_line
 from megascale.config import load_config
 
 from .chaos import ALIASES, KINDS
@@ -98,13 +99,9 @@ def _one_line(name: str, func: Callable[[argparse.Namespace], int]) -> Callable[
             print(f"megascale {name}: {e}", file=sys.stderr)
             return 2
         except redis.RedisError as e:
-            print(f"megascale {name}: the job's Redis is unreachable ({_first_line(e)})", file=sys.stderr)
+            print(f"megascale {name}: the job's Redis is unreachable ({first_line(e)})", file=sys.stderr)
             return 2
     return run
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # -- finding a job -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from kafka.errors import KafkaError
 
 from megascale.config import ConfigError, JobConfig, from_dict
 from megascale.elastic import layout_at, resized
-from megascale.rendezvous.redis_store import drop_incarnations
+from megascale.common.redis_keys import drop_incarnations
 from megascale.common.messages import Event, encode, topic
 
 from . import log

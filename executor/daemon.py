@@ -24,6 +24,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from megascale.executor.metrics_publisher import MetricsPublisher
 from megascale.common import auth
+from megascale.common.errors import first_line
 from megascale.common.messages import JsonlTail
 
 from megascale.common.messages import (
@@ -149,7 +150,7 @@ class Executor:
 
     def _redis_failed(self, e: Exception) -> None:
         if not self._redis_down_since:
-            log.warning("Redis unreachable (%s); retrying", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            log.warning("Redis unreachable (%s); retrying", first_line(e))
             self._redis_down_since = time.monotonic()
         time.sleep(POLL_S)
 
@@ -308,7 +309,7 @@ class Executor:
                 out[str(p.rank)] = [dataclasses.asdict(r)
                                     for r in read_records(self.run_dir / f"flight-rank{p.rank}.bin")[-last:]]
             except (OSError, ValueError) as e:  # no recorder (stand-in rank) or half-written: say so, keep the rest
-                out[str(p.rank)] = {"error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+                out[str(p.rank)] = {"error": first_line(e)}
         return True, json.dumps(out)
 
     def _exit(self, args: dict) -> tuple[bool, str]:

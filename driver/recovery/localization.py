@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from megascale.common.flight_format import NO_PEER, OpRecord
 from megascale.common.messages import Ack
 from megascale.config import JobConfig
+from megascale.parallel.layout import Layout, groups_to_create
 
 from ..state import Fault, JobRecord, Recovery
 
@@ -54,7 +55,6 @@ def localize_hang(records: dict[int, list[OpRecord]], group_members: dict[str, l
 
 def group_members(tp: int, pp: int, dp: int) -> dict[str, list[int]]:
     """Every communication group of the job by its flight-recorder name ("<kind>:<first member>")."""
-    from megascale.parallel.topology import Layout, groups_to_create  # imports torch: only when a hang needs it
 
     layout, groups = Layout(tp, pp, dp), {}
     for rank in range(tp * pp * dp):

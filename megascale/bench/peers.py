@@ -16,6 +16,7 @@ import torch
 
 from megascale.bench import overlap
 from megascale.common import netemu
+from megascale.common.errors import first_line
 from megascale.config import JobConfig, from_dict
 from megascale.launch import run_ranks
 from megascale.model.gpt import GPT
@@ -135,7 +136,7 @@ def _measure_config(cfg: JobConfig, steps: int, rounds: int, missing: bool, **la
             try:
                 result = measure(impl, cfg, steps, **launch)
             except RuntimeError as e:
-                cells[impl] = (None, None, str(e).splitlines()[0])
+                cells[impl] = (None, None, first_line(e))
                 continue
             best = max(result["tokens_per_s"], cells[impl][0]) if impl in cells else result["tokens_per_s"]
             cells[impl] = (best, result["step0_loss"], None)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from megascale.bench.store_sim import LAYOUTS, TIMEOUT, simulate
+from megascale.common.errors import first_line
 from megascale.parallel.topology import build_context
 from megascale.rendezvous.embedded import EmbeddedRedis
 from megascale.rendezvous.groups import group_specs, world_group_specs
@@ -135,7 +136,7 @@ def _measure(kind: str, world: int, modes: list[str], naive_sample: int) -> list
         got = simulate(kind, world, plans, NPROC)
     except Exception as e:  # noqa: BLE001 - one failed configuration must not sink the report
         for row in rows:
-            row["error"] = _first_line(e)
+            row["error"] = first_line(e)
         return rows
     total_groups = len(world_group_specs(LAYOUTS[world]))
     for row in rows:
@@ -153,10 +154,6 @@ def _measure(kind: str, world: int, modes: list[str], naive_sample: int) -> list
         else:
             row["seconds"] = got[mode]
     return rows
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -178,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         real = real_start(8)
     except Exception as e:  # noqa: BLE001 - reported in "errors"
-        real = {"seconds": None, "error": _first_line(e)}
+        real = {"seconds": None, "error": first_line(e)}
     ordered = seconds("redis", 2048, "ordered")
     return {
         "ordered_2048_s": ordered,

@@ -8,8 +8,8 @@ raw samples the slopes and drift were fitted from.
 Faults (issue 21), one every `--fault-interval` seconds on average, each once the job runs again:
   kill-rank, kill-executor, hang-rank (SIGSTOP), freeze-node (executor SIGSTOP), crash-mid-persist (a rank
   killed while a checkpoint is being written), corrupt-checkpoint (the newest, then its node killed so the
-  restore reads it), kill-driver, kill-redis, restart-broker (kill -9; the supervisor restarts each), slow-rank,
-  nan-loss (the reporting rank's next step report says NaN).
+  restore reads it), kill-redis, restart-broker, slow-rank, nan-loss (the reporting rank's next step report
+  says NaN), kill-driver (kill -9 of Redis, broker and driver: the supervisor restarts each).
 Lost time per fault: from the injection until training is back past the step it had reached, less the time those
 steps take at the median step time. `ettr` is the driver's own.
 """
@@ -44,8 +44,9 @@ from megascale.driver.recovery.timings import recovered, recoveries_after
 from megascale.driver.state import JobState, JobStore
 
 JOB = "bench-soak"
+# kill-driver last: the driver's first life then spans most of a 30-minute run, long enough to fit its slope
 FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
-          "kill-driver", "kill-redis", "restart-broker", "slow-rank", "nan-loss")
+          "kill-redis", "restart-broker", "slow-rank", "nan-loss", "kill-driver")
 FAULT_SETTLE_S = 60.0  # after an injection, steps slowed by the fault itself (step_time_drift leaves them out)
 LOSS_RTOL = 1e-5  # the recovery tests' tolerance: reference and job may use different thread counts per rank
 

@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import pyarrow.fs as pafs
 
 from megascale.checkpoint.filesystems import UnknownFilesystem, open_filesystem
+from megascale.common.errors import first_line
 from megascale.config import RUN_DIR
 
 log = logging.getLogger("megascale.checkpoint")
@@ -98,9 +99,11 @@ def normalize_uri(uri: str) -> str:
     return uri if "://" in uri else os.path.abspath(uri)
 
 
-def open_storage(uri: str, filesystem: Optional[str] = None, options: Optional[Mapping[str, str]] = None) -> Storage:
+def open_storage(uri: str, filesystem: Optional[str] = None, options: Optional[Mapping[str, str]] = None,
+                 field: str = "checkpoint.uri") -> Storage:
     """`file://`, `hdfs://`, `s3://` URIs or local paths; `filesystem` (checkpoint.filesystem), a registered
-    file system by name with its `options` (filesystems.py), overrides the one the URI implies."""
+    file system by name with its `options` (filesystems.py), overrides the one the URI implies. `field` names
+    the uri in the error for one that cannot be parsed."""
     uri = normalize_uri(uri)
     if filesystem or options:
         try:
@@ -111,7 +114,7 @@ def open_storage(uri: str, filesystem: Optional[str] = None, options: Optional[M
         try:
             fs, root = pafs.FileSystem.from_uri(uri)
         except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
-            raise CheckpointError(f"checkpoint.uri={uri}: {e}") from None
+            raise CheckpointError(f"{field}={uri}: {first_line(e)}") from None
     return Storage(fs, root, uri, local=isinstance(fs, pafs.LocalFileSystem))
 
 
@@ -270,12 +273,12 @@ def check_checkpoint_uri(uri: Optional[str], resume: bool, filesystem: Optional[
     if not uri or RUN_DIR in uri:
         return None
     try:
-        storage = open_storage(uri, filesystem, options)
+        storage = open_storage(uri, filesystem, options, field)
         steps = committed_steps(storage)
     except OSError as e:
         if resume:
             return None
-        raise StorageUnreadable(f"{field}={uri}: cannot list it: {e}") from None
+        raise StorageUnreadable(f"{field}={uri}: cannot list it: {first_line(e)}") from None
     if resume:
         manifest = None
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from megascale.parallel.topology import Layout, groups_to_create
+from megascale.parallel.layout import Layout, groups_to_create
 
 
 class GroupSpec(NamedTuple):

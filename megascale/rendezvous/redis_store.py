@@ -33,6 +33,9 @@ import torch.distributed as dist
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from megascale.common.errors import first_line
+from megascale.common.redis_keys import namespace
+
 # Blocking calls are cut into slices so a silent network partition still surfaces as a socket
 # timeout; a re-issue every few seconds is not polling in any meaningful sense. The timeout is
 # the kernel's (SO_RCVTIMEO): a Python-level socket timeout costs a poll() per read and write.
@@ -92,21 +95,6 @@ class RedisRestarted(redis.ConnectionError):
 INDEX, EPOCH, KEY_PREFIX = "__keys__", "__epoch__", "k:"
 
 
-def namespace(job: str, incarnation: str | int) -> str:
-    """Prefix of every Redis key of one job incarnation; the braces keep them in one Cluster slot."""
-    return f"megascale:{{{job}/{incarnation}}}:"
-
-
-def drop_incarnations(client, job: str, before: int) -> int:
-    """Deletes the keys of the job's incarnations before `before` (no rank of theirs runs any more), so a job
-    restarted hundreds of times keeps two incarnations' keys, not all of them. Returns how many were deleted."""
-    stale = [key for key in client.scan_iter(match=f"megascale:{{{job}/*", count=1000)
-             if (n := key.decode(errors="replace").split("/", 1)[1].split("}", 1)[0]).isdigit() and int(n) < before]
-    for i in range(0, len(stale), 500):
-        client.delete(*stale[i:i + 500])
-    return len(stale)
-
-
 def _bytes(value: str | bytes | bytearray | list[int]) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
@@ -131,11 +119,6 @@ def pack(commands: list[tuple]) -> bytes:
 
 def _secs(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0].rstrip(".")
 
 
 def _not_restarted(e: BaseException) -> bool:
@@ -262,7 +245,7 @@ class RedisStore(dist.Store):
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             # A reply lost mid-command is not retried: the command may have run (an add twice).
             conn.disconnect()
-            cause = _first_line(e)
+            cause = first_line(e)
             if "Resource temporarily unavailable" in cause:  # the kernel socket timeout fired
                 cause = f"no reply within {SOCKET_TIMEOUT_S:g} s"
             error = RendezvousError(
@@ -274,7 +257,7 @@ class RedisStore(dist.Store):
     def _cmd(self, what: str, *args):
         reply = self._pipeline(what, [args])[0]
         if isinstance(reply, redis.ResponseError):
-            raise dist.DistStoreError(f"Redis refused {what}: {_first_line(reply)}")
+            raise dist.DistStoreError(f"Redis refused {what}: {first_line(reply)}")
         return reply
 
     def _script(self, name: str, what: str, keys: list[str], args: list = ()):
@@ -282,7 +265,7 @@ class RedisStore(dist.Store):
         if isinstance(reply, redis.exceptions.NoScriptError):  # first use on this server: send the source once
             return self._cmd(what, "EVAL", SCRIPTS[name], len(keys), *keys, *args)
         if isinstance(reply, redis.ResponseError):
-            raise dist.DistStoreError(f"Redis refused {what}: {_first_line(reply)}")
+            raise dist.DistStoreError(f"Redis refused {what}: {first_line(reply)}")
         return reply
 
     def _k(self, key: str) -> str:

@@ -13,8 +13,8 @@ import torch
 from megascale.checkpoint import ipc
 from megascale.checkpoint.shard_format import header_json, lay_out, pad_header, read_shard
 from megascale.checkpoint.storage import (
-    CorruptShard, OtherFormat, apply_retention, check_checkpoint_uri, list_steps, new_manifest, open_storage,
-    read_manifest, step_dir, write_manifest,
+    CheckpointError, CorruptShard, OtherFormat, apply_retention, check_checkpoint_uri, list_steps, new_manifest,
+    open_storage, read_manifest, step_dir, write_manifest,
 )
 
 
@@ -69,6 +69,15 @@ def test_a_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
         read_manifest(storage, 4)
     with pytest.raises(OtherFormat, match=r"step-00000004.*format version 1.*start anew with another checkpoint.uri"):
         check_checkpoint_uri(str(tmp_path), resume=True)
+
+
+@pytest.mark.parametrize("uri", ["foo://bar", "s3://a b", "hdfs://127.0.0.1:1/ckpt"])
+def test_an_unusable_uri_is_refused_in_one_line_naming_the_field_it_came_from(uri):
+    # pyarrow's HDFS loader without a JVM lists every path it tried, one per line
+    for field in ("checkpoint.uri", "OUT_CHECKPOINT"):
+        with pytest.raises(CheckpointError) as refused:
+            check_checkpoint_uri(uri, resume=False, field=field)
+        assert str(refused.value).startswith(f"{field}={uri}: ") and "\n" not in str(refused.value)
 
 
 def test_retention_keeps_the_newest_committed_and_drops_debris(tmp_path):

@@ -24,6 +24,7 @@ from megascale.rendezvous import (
 )
 from megascale.bench.rendezvous import check_real_results, launch_ranks
 from megascale.common.processes import free_port
+from megascale.common.redis_keys import drop_incarnations
 
 pytestmark = pytest.mark.timeout(90)  # a hang fails fast instead of stalling the suite
 
@@ -351,7 +352,7 @@ def test_drop_incarnations_deletes_only_earlier_incarnations_of_the_job(server):
     for s in stores:
         s.set("rank0", b"addr")
     client = redis.Redis(port=server.port)
-    assert redis_store.drop_incarnations(client, "soak", before=12) == 2 * 3  # each: the key, its index, epoch
+    assert drop_incarnations(client, "soak", before=12) == 2 * 3  # each: the key, its index, epoch
     assert [s.check(["rank0"]) for s in stores] == [False, False, True, True]
     for s in stores:
         s.close()
