@@ -43,7 +43,7 @@ def use_returning_memory_pool() -> str:
     """Makes pyarrow allocate from jemalloc (the system allocator where this pyarrow has none) unless
     ARROW_DEFAULT_MEMORY_POOL names a pool; returns the pool's name. For a process that writes and compacts
     the store for weeks (the driver): pyarrow's default here, mimalloc, keeps the pages that compactions free
-    and grew the driver 36-84 MB/h in soaks, jemalloc and the system pool 13-16 MB/h side by side (BENCHMARKS.md)."""
+    and grew the driver 36-84 MB/h in soaks; on jemalloc it levels off by minute 12 (BENCHMARKS.md, soak)."""
     if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
         try:
             pa.set_memory_pool(pa.jemalloc_memory_pool())
