@@ -9,7 +9,8 @@ Faults (issue 21), one every `--fault-interval` seconds on average, each once th
   kill-rank, kill-executor, hang-rank (SIGSTOP), freeze-node (executor SIGSTOP), crash-mid-persist (a rank
   killed while a checkpoint is being written), corrupt-checkpoint (the newest, then its node killed so the
   restore reads it), kill-redis, restart-broker, slow-rank, nan-loss (the reporting rank's next step report
-  says NaN), kill-driver (kill -9 of Redis, broker and driver: the supervisor restarts each).
+  says NaN), kill-driver (kill-redis, restart-broker and kill-driver are a kill -9: the supervisor restarts
+  each).
 Lost time per fault: from the injection until training is back past the step it had reached, less the time those
 steps take at the median step time. `ettr` is the driver's own.
 """
