@@ -20,6 +20,7 @@ import psutil
 from megascale.checkpoint.storage import CheckpointError, committed_steps, open_storage, read_manifest, step_dir
 from megascale.common import netemu
 from megascale.common.messages import SlowRank, encode, slow_ranks_key
+from megascale.common.processes import pid_alive
 from megascale.common.rankspec import RankSpec, nan_loss_order
 from megascale.config import CheckpointConfig, from_dict
 
@@ -30,6 +31,7 @@ KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow-rank", "nan-loss
 ALIASES = {"slow": "fail-selfcheck"}  # its old name: it never slowed anything, it fails the next self-check
 SLOW_SELFCHECK = {"MEGASCALE_DIAG_SLOW_GEMM": "1:0.2"}  # the node's second device computes at 0.2x
 # kind -> (signal, sent to a "rank" or the node's executor, what was done)
+KILLED_WITHIN_S = 5.0  # a process of many threads and much memory takes a while to be torn down after SIGKILL
 SIGNALS = {
     "kill-rank": (signal.SIGKILL, "rank", "killed rank process {pid} on {node}"),
     # The node's ranks die with their executor (PR_SET_PDEATHSIG), its checkpoint keeper too.
@@ -119,6 +121,10 @@ def inject(store: JobStore, kind: str, node: Optional[str] = None, rank: Optiona
         pid = pick_rank(store, node, rank).pid if target == "rank" else executor_pid(store, node)
         store.record_chaos(kind, node, {"pid": pid})
         os.kill(pid, sig)
+        if sig == signal.SIGKILL:  # "killed" once it is: a `resume` right after must not see it still alive
+            deadline = time.monotonic() + KILLED_WITHIN_S
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
         return done.format(pid=pid, node=node)
     if kind == "fail-selfcheck":
         store.set_injection(node, SLOW_SELFCHECK)
