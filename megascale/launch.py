@@ -6,8 +6,10 @@ fails (the process group's timeout), and then its peers are stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -24,6 +26,7 @@ from megascale.rank import init_rank, resolve_backend, shutdown_rank
 from megascale.train import layout_of, train_rank
 
 RankFn = Callable[..., Any]
+RANKS_SCRATCH = ".ranks"  # in a run directory: the ranks' rendezvous file and results while they run
 
 
 def _rank_main(rank: int, layout: Layout, init_method: str, comm: CommConfig, backend: str, sequence_parallel: bool,
@@ -53,12 +56,31 @@ def _rank_main(rank: int, layout: Layout, init_method: str, comm: CommConfig, ba
         shutdown_rank()
 
 
+@contextlib.contextmanager
+def _scratch(run_dir: Optional[str]):
+    """A fresh folder for the ranks' rendezvous file and results, removed after them: `run_dir`/.ranks, or a
+    temporary directory. In a run directory, a launcher killed outright (it runs no cleanup) leaves it there,
+    not in /tmp, and its next launch in that directory replaces it."""
+    if run_dir is None:
+        with tempfile.TemporaryDirectory(prefix="megascale-ranks-") as tmp:
+            yield tmp
+        return
+    path = Path(run_dir) / RANKS_SCRATCH
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    try:
+        yield str(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = False, backend: str = "auto",
               comm: Optional[CommConfig] = None, flight_dir: Optional[str] = None,
-              place: Optional[Callable[[int], None]] = None) -> list[Any]:
+              place: Optional[Callable[[int], None]] = None, run_dir: Optional[str] = None) -> list[Any]:
     """Runs `fn(ctx, *args)` on every rank of `layout` in its own process (started by `init_rank` with
     `comm`, the job's communication settings); returns their results by rank. `place(rank)` runs first in
-    each rank's process (e.g. to enter its node's network namespace on an emulated network).
+    each rank's process (e.g. to enter its node's network namespace on an emulated network). The ranks meet
+    in `run_dir` (see _scratch), or in a temporary directory.
 
     Waits as long as the ranks run. Raises RuntimeError naming the first failed rank.
     """
@@ -66,7 +88,7 @@ def run_ranks(fn: RankFn, layout: Layout, *args: Any, sequence_parallel: bool = 
     backend = resolve_backend(backend)
     # fork is fast and needs no importable entry point; CUDA cannot survive a fork.
     context = mp.get_context("spawn" if backend == "nccl" else "fork")
-    with tempfile.TemporaryDirectory(prefix="megascale-ranks-") as tmp:
+    with _scratch(run_dir) as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
         procs = [context.Process(target=_rank_main, daemon=False,
                                  args=(r, layout, init_method, comm, backend, sequence_parallel, tmp, flight_dir,
@@ -134,7 +156,7 @@ def launch_local(cfg: JobConfig, progress: bool = True, run_dir: Optional[Path] 
         try:
             run_ranks(train_rank, layout, cfg, str(run_dir), queue.put if queue else None,
                       sequence_parallel=cfg.parallelism.sequence_parallel, backend=cfg.parallelism.backend,
-                      comm=cfg.comm, flight_dir=str(run_dir))
+                      comm=cfg.comm, flight_dir=str(run_dir), run_dir=str(run_dir))
         finally:
             if cfg.checkpoint.uri:  # the job is over: nothing will restore from host memory
                 from megascale.checkpoint import shutdown_keeper

@@ -16,6 +16,7 @@ import yaml
 from megascale.checkpoint import committed_steps, open_storage, shutdown_keeper
 from megascale.cli import main
 from megascale.config import ConfigError, load_config
+from megascale.launch import RANKS_SCRATCH
 
 
 def metrics(run_root) -> list[dict]:
@@ -130,16 +131,20 @@ def test_resuming_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path
     assert "\n" not in err and "Traceback" not in err
 
 
-def test_killing_train_takes_its_ranks_and_keeper_with_it(tmp_path):
+def test_killing_train_takes_its_ranks_and_keeper_with_it_and_leaves_nothing_in_tmp(tmp_path):
     """SIGKILL (or a scheduler's SIGTERM) of `megascale train` runs no cleanup: before, its ranks went on
-    training as orphans and the keeper held their snapshots until keeper_idle_s."""
+    training as orphans and the keeper held their snapshots until keeper_idle_s, and their rendezvous
+    folder stayed in /tmp (one per kill). Now that folder is in the run directory."""
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq": 16},
         "parallelism": {"dp": 2}, "batch": {"micro": 1, "global": 2},
         "checkpoint": {"uri": str(tmp_path / "ckpt"), "every": 2}, "train": {"steps": 100000}}))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     train = subprocess.Popen([sys.executable, "-m", "megascale.cli", "train", str(config), "--quiet",
-                              "--run-dir", str(tmp_path / "runs")], start_new_session=True)
+                              "--run-dir", str(tmp_path / "runs")], start_new_session=True,
+                             env={**os.environ, "TMPDIR": str(tmp)})
     try:
         deadline = time.monotonic() + 120
         while not committed_steps(open_storage(str(tmp_path / "ckpt"))):
@@ -151,6 +156,8 @@ def test_killing_train_takes_its_ranks_and_keeper_with_it(tmp_path):
         train.wait(timeout=10)
         _, alive = psutil.wait_procs(family, timeout=10)
         assert not alive, [p.cmdline()[:4] for p in alive]
+        assert not list(tmp.glob("megascale-ranks-*"))
+        (scratch,) = (tmp_path / "runs").glob(f"*/{RANKS_SCRATCH}")  # replaced by a launch in that run directory
     finally:
         if train.poll() is None:
             train.kill()

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from megascale.config import CommConfig
-from megascale.launch import run_ranks
+from megascale.launch import RANKS_SCRATCH, run_ranks
 from megascale.parallel.comm import all_reduce
 from megascale.parallel.topology import Layout
 
@@ -65,3 +65,18 @@ def test_ranks_forked_from_a_process_that_ran_threaded_torch_do_not_hang():
     torch.set_num_threads(2)
     torch.rand(100_000, dtype=torch.float64).cos()  # the parent's OpenMP pool now exists
     assert run_ranks(_cosine_with_threads, Layout()) == [1]
+
+
+def _sum_across_ranks(ctx) -> float:
+    value = torch.ones(1)
+    all_reduce(value, ctx.dp)
+    return value.item()
+
+
+def test_ranks_meet_in_their_run_directory_replacing_what_a_killed_launcher_left_there(tmp_path):
+    stale = tmp_path / RANKS_SCRATCH
+    stale.mkdir()
+    (stale / "store").write_bytes(b"a killed launch's rendezvous file")  # would hand the new ranks old keys
+    (stale / "rank0.pt").write_bytes(b"and its result")
+    assert run_ranks(_sum_across_ranks, Layout(dp=2), run_dir=str(tmp_path)) == [2.0, 2.0]
+    assert not stale.exists()  # removed after the ranks, as a temporary directory is
