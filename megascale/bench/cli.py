@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="soak: how long to run (0 = 30 minutes, 3 with --quick)")
     bench.add_argument("--samples", metavar="FILE",
                        help="soak: also write the raw samples its slopes and drift were fitted from (JSON)")
+    bench.add_argument("--no-reference", action="store_true",
+                       help="soak: skip the uninterrupted run its losses are compared with (it takes about 0.6x "
+                            "the soak's minutes again); loss_equal_to_uninterrupted is then null")
     bench.set_defaults(func=_bench)
 
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import (life_key, lost_seconds, process_kind, process_slopes, run, save_samples,
                                   slope_per_hour, step_time_drift)
@@ -94,3 +95,21 @@ def test_the_raw_samples_are_saved_to_refit_and_a_bad_path_fails_before_the_run(
     with pytest.raises(BenchFailed, match=r"^--samples .*/no/samples.json: No such file or directory$"):
         run(argparse.Namespace(quick=True, minutes=0.0, fault_interval=0.0,
                                samples=str(tmp_path / "no" / "samples.json")))
+
+
+def test_without_the_reference_run_the_losses_are_not_compared_and_none_is_started(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n"
+                                                    for s in (1, 2, 3)))
+    monkeypatch.setattr(soak_module.JobHandle, "load", lambda job: SimpleNamespace(run_dir=str(tmp_path)))
+    soak = SimpleNamespace(root=tmp_path, env={})
+    monkeypatch.setattr(soak_module, "reference_losses", lambda root, env, steps: {1: 4.0, 2: 3.0, 3: 2.0 + 1e-3})
+    metrics, losses = soak_module.losses_against_uninterrupted(soak)
+    assert len(metrics) == 3 and losses["loss_equal_to_uninterrupted"] is False
+    assert losses["loss_mismatched_steps"] == [3]
+
+    def no_reference(*_):
+        raise AssertionError("the reference run was started")
+
+    monkeypatch.setattr(soak_module, "reference_losses", no_reference)
+    metrics, losses = soak_module.losses_against_uninterrupted(soak, compare=False)
+    assert len(metrics) == 3 and losses["loss_equal_to_uninterrupted"] is None and losses["loss_steps_compared"] == 0
