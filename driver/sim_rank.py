@@ -39,11 +39,12 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import IO
 
 from megascale.common.flight_format import read_records
+from megascale.common.jsonl import RollingWriter
 from megascale.common.lifetime import die_with_parent
 from megascale.common.rankspec import Progress, RankSpec
+from megascale.config import from_dict
 from megascale.driver.metrics.schema import SEGMENTS
 from megascale.parallel.flight_recorder import FlightRecorder
 
@@ -69,13 +70,6 @@ def step_timings(spec: RankSpec, step: int, start: float, compute: float, waited
             "pp": spec.rank // (tp * dp), "start": start, "total": compute + waited, "segments": segments}
 
 
-def timings_file(spec: RankSpec) -> IO[str]:
-    return open(Path(spec.run_dir) / f"timings-rank{spec.rank}.jsonl", "a")
-
-
-def write_line(f: IO[str], record: dict) -> None:
-    f.write(json.dumps(record) + "\n")
-    f.flush()  # whole lines only: the executor tails this file
 
 
 def first_time(run_dir: Path, name: str) -> bool:
@@ -125,8 +119,9 @@ def fault_step(variable: str, spec: RankSpec) -> int:
 def main() -> int:
     spec = RankSpec.load(sys.argv[1])
     die_with_parent(spec.parent_pid)
-    progress = Progress(spec.progress_path)
     cfg = spec.config
+    max_bytes = from_dict(cfg).logging.jsonl_max_bytes()  # rolled over as a real rank's (common/jsonl.py)
+    progress = Progress(spec.progress_path, max_bytes)
     steps, step_s = cfg["train"]["steps"], compute_seconds(spec)
     nan_at = int(os.environ.get("SIM_NAN_AT", "0"))
     error_at, fail_at, hang_at = (fault_step(v, spec) for v in ("SIM_ERROR_AT", "SIM_FAIL_AT", "SIM_HANG_AT"))
@@ -138,7 +133,7 @@ def main() -> int:
     recorder = FlightRecorder(run_dir / f"flight-rank{spec.rank}.bin", capacity=64)
     peers = [run_dir / f"flight-rank{r}.bin" for r in range(spec.world_size) if r != spec.rank]
     progress.write({"state": "running", "restored_step": start})
-    timings = timings_file(spec)
+    timings = RollingWriter(run_dir / f"timings-rank{spec.rank}.jsonl", max_bytes)
     work = Work()
     for step in range(start + 1, steps + 1):
         began, wall = time.monotonic(), time.time()
@@ -149,7 +144,7 @@ def main() -> int:
         while not all(entered(p, seq) for p in peers):
             time.sleep(0.01)
         recorder.end(slot)
-        write_line(timings, step_timings(spec, step, wall, computed - began, time.monotonic() - computed))
+        timings.write(json.dumps(step_timings(spec, step, wall, computed - began, time.monotonic() - computed)))
         if step == error_at and first_time(run_dir, "error"):
             print(WATCHDOG_LINE.format(rank=spec.rank, step=step), file=sys.stderr, flush=True)
         if step == fail_at and first_time(run_dir, "fail"):

@@ -228,8 +228,7 @@ class Executor:
                         resume=bool(args.get("resume")))
         self.run_dir = Path(args["run_dir"])
         for rank in args["ranks"]:  # files grow across incarnations: ship only what this one writes
-            path = self._timings_path(rank)
-            self._tail.offsets[path] = path.stat().st_size if path.exists() else 0
+            self._tail.skip_to_end(self._timings_path(rank))
         self.group = RankGroup(self.work_dir, spec, list(args["ranks"]), env, kept, self.standbys)
         self.phase = "running"
         joined = f" ({len(kept)} in their processes)" if kept else ""

@@ -120,13 +120,16 @@ def main(argv: list[str]) -> int:
     from megascale.config import from_dict
     from megascale.train import KeptTrainer
 
+    def progress_file() -> Progress:
+        return Progress(spec.progress_path, from_dict(spec.config).logging.jsonl_max_bytes())
+
     if from_dict(spec.config).control.restart == "process":
-        with contextlib.closing(Progress(spec.progress_path)) as progress:
+        with contextlib.closing(progress_file()) as progress:
             run_incarnation(spec, progress)
         return 0
     orders, fresh, kept = Orders(), FreshState(), KeptTrainer()
     while True:
-        with contextlib.closing(Progress(spec.progress_path)) as progress:
+        with contextlib.closing(progress_file()) as progress:
             ended = run_incarnation(spec, progress, orders, fresh, kept)
             if ended is None:
                 return 0

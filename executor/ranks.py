@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Callable, Optional
 
+from megascale.common.jsonl import LineFollower
 from megascale.common.messages import ErrorLine, RankState, RankStatus
 
 from . import log
@@ -79,7 +80,7 @@ class RankProcess:
     progress_path: Path
     stopping: bool = False
     log_offset: int = 0
-    progress_offset: int = 0
+    progress_lines: LineFollower = field(default_factory=LineFollower)  # its progress file's, across rollovers
     running: bool = False  # its process group is up
     done: bool = False
     last: dict = field(default_factory=dict)  # newest step statistics
@@ -192,15 +193,7 @@ class RankGroup:
         return changed
 
     def _read_progress(self, p: RankProcess) -> None:
-        try:
-            with open(p.progress_path, "rb") as f:
-                f.seek(p.progress_offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
-        end = chunk.rfind(b"\n") + 1  # a half-written last line waits for the next poll
-        p.progress_offset += end
-        for line in chunk[:end].splitlines():
+        for line in p.progress_lines.read(p.progress_path):
             try:
                 record = json.loads(line)
             except ValueError:

@@ -234,6 +234,12 @@ class LoggingConfig:
     wandb: bool = False  # Weights & Biases, offline, under <run_dir>/wandb (needs `pip install wandb`)
     # Per-device peak FLOP/s for MFU; None = the bf16 dense peak of a known GPU, else MFU is not logged
     peak_tflops: Optional[float] = None
+    # Each rank's per-step JSON-lines files (timings, progress) roll over past this size, keeping one earlier
+    # part: at most twice this each, however long the run. 0 = never
+    jsonl_max_mb: float = 64.0
+
+    def jsonl_max_bytes(self) -> Optional[int]:
+        return int(self.jsonl_max_mb * 2**20) if self.jsonl_max_mb else None
 
 
 @dataclass

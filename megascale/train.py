@@ -15,6 +15,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from megascale.common.jsonl import RollingWriter
 from megascale.config import JobConfig
 from megascale.model.gpt import GPT
 from megascale.parallel.comm import all_reduce
@@ -325,14 +326,14 @@ def train_rank(ctx: ParallelContext, cfg: JobConfig, run_dir: str,
                                                                             reporter)))
         last = None
         metrics = started.enter_context(open(Path(run_dir) / "metrics.jsonl", "a")) if reporter else None
-        timings = started.enter_context(open(Path(run_dir) / f"timings-rank{ctx.rank}.jsonl", "a"))
+        timings_path = Path(run_dir) / f"timings-rank{ctx.rank}.jsonl"
+        timings = started.enter_context(contextlib.closing(RollingWriter(timings_path, cfg.logging.jsonl_max_bytes())))
         while trainer.step_index < cfg.train.steps:
             stats = asdict(trainer.step())
             mfu = experiment.mfu(stats["tokens_per_s"])
             if mfu is not None:
                 stats["mfu"] = mfu
-            timings.write(json.dumps(stats["timings"]) + "\n")
-            timings.flush()
+            timings.write(json.dumps(stats["timings"]))
             if stats["step"] % cfg.train.log_every == 0:
                 log.info("step %d loss %.4f grad_norm %.3f lr %.3g %.3fs %.0f tok/s", stats["step"], stats["loss"],
                          stats["grad_norm"], stats["lr"], stats["step_time"], stats["tokens_per_s"])

@@ -3,6 +3,7 @@ local run directory (`megascale train` writes `timings-rank<R>.jsonl`, one StepT
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Optional, Protocol
@@ -36,6 +37,9 @@ class ParquetSource:
         return {"job": self.job, **self.store.read_status(self.job)}
 
 
+_TIMINGS = re.compile(r"timings-rank\d+\.jsonl")
+
+
 class RunDirSource:
     """A run directory, read incrementally: the files only grow while a run is going."""
 
@@ -54,7 +58,8 @@ class RunDirSource:
         self._lock = threading.Lock()
 
     def timing_files(self) -> list[Path]:
-        return sorted(self.dir.glob("timings-rank*.jsonl"))
+        """Each rank's timings file (the tail reads its earlier part, common/jsonl.py, with it)."""
+        return sorted(p for p in self.dir.glob("timings-rank*.jsonl") if _TIMINGS.fullmatch(p.name))
 
     def _refresh(self) -> None:
         with self._lock:

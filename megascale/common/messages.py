@@ -36,6 +36,7 @@ import msgspec
 
 from megascale.common import typed
 from megascale.common.auth import Signer
+from megascale.common.jsonl import LineFollower
 
 SCHEMA_VERSION = 1
 
@@ -304,24 +305,17 @@ def as_timings(line: dict) -> Optional[dict]:
 
 
 class JsonlTail:
-    """StepTimings dicts from the new whole lines of growing JSONL files (a half-written last line
-    waits for the next read). The executor tails its ranks' `timings-rank<R>.jsonl` with it."""
+    """StepTimings dicts from the new whole lines of growing JSONL files, across their rollovers
+    (common/jsonl.py). The executor tails its ranks' `timings-rank<R>.jsonl` with it."""
 
     def __init__(self) -> None:
-        self.offsets: dict[Path, int] = {}
+        self._lines = LineFollower()
+        self.skip_to_end = self._lines.skip_to_end
 
     def read(self, paths: Iterable[Path]) -> list[dict]:
         out = []
         for path in paths:
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets.get(path, 0))
-                    chunk = f.read()
-            except FileNotFoundError:
-                continue
-            end = chunk.rfind(b"\n") + 1
-            self.offsets[path] = self.offsets.get(path, 0) + end
-            for line in chunk[:end].splitlines():
+            for line in self._lines.read(path):
                 try:
                     rec = as_timings(json.loads(line))
                 except ValueError:

@@ -7,7 +7,9 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import Optional
+
+from megascale.common.jsonl import RollingWriter
 
 
 @dataclass
@@ -43,10 +45,10 @@ def nan_loss_order(progress_path: str | Path) -> Path:
 
 
 class Progress:
-    """The progress file: one JSON object per line, flushed at once."""
+    """The progress file: one JSON object per line, flushed at once, rolled over past `max_bytes`."""
 
-    def __init__(self, path: str):
-        self._f: IO[str] = open(path, "a")
+    def __init__(self, path: str, max_bytes: Optional[int] = None):
+        self._f = RollingWriter(path, max_bytes)
         self._nan_loss = nan_loss_order(path)
 
     def write(self, record: dict) -> None:
@@ -54,8 +56,7 @@ class Progress:
             with contextlib.suppress(FileNotFoundError):
                 self._nan_loss.unlink()
                 record = {**record, "loss": float("nan")}
-        self._f.write(json.dumps({**record, "time": time.time()}) + "\n")  # the executor's hang clock reads it
-        self._f.flush()
+        self._f.write(json.dumps({**record, "time": time.time()}))  # the executor's hang clock reads it
 
     def close(self) -> None:
         self._f.close()

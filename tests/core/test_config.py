@@ -50,6 +50,7 @@ def test_defaults_validate_and_round_trip():
     ({"data": {"source": "text", "path": "x"}, "eval": {"every": 5}}, "eval.every=5: needs held-out data"),
     ({"data": {"source": "text", "path": "x"}, "eval": {"split": 0.1, "data": "y"}}, "eval.split: set either"),
     ({"logging": {"peak_tflops": 0}}, "logging.peak_tflops=0.0: must be > 0"),
+    ({"logging": {"jsonl_max_mb": -1}}, "logging.jsonl_max_mb=-1.0: must be >= 0 (0 = never roll over)"),
     ({"services": {"broker_max_mb": 10}}, "services.broker_max_mb=10.0: must be >= 64"),
 ])
 def test_bad_config_names_the_field(sections, message):

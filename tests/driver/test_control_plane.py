@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from kafka import KafkaAdminClient, KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 from megascale.driver.metrics.store import ParquetStore
@@ -199,7 +200,11 @@ def test_run_trains_gpt_across_two_nodes(tmp_path, monkeypatch):
 def test_timings_reach_the_store_stragglers_status_and_prometheus(tmp_path, capsys, wait, monkeypatch):
     monkeypatch.setenv("SIM_SLOW_RANK", "1")  # rank 1 computes 3x as long as its peers: a straggler on n0
     monkeypatch.setenv("SIM_STEP_S", "0.1")
-    job = launch(capsys, job_yaml(tmp_path, "cp-timings", steps=40), "cp-timings")
+    path = Path(job_yaml(tmp_path, "cp-timings", steps=40))
+    # ~2 KB: the timings and progress files roll over every few steps (common/jsonl.py); the executor's tail
+    # must ship every step exactly once across those rollovers
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "logging": {"jsonl_max_mb": 0.002}}))
+    job = launch(capsys, str(path), "cp-timings")
     status = wait(lambda: job.status().get("stragglers") and job.status(), 60, "a straggler in the status")
     assert status["stragglers"][0].startswith("straggler: rank 1 on n0 ") and status["prometheus"]
     with urllib.request.urlopen(status["prometheus"], timeout=5) as reply:
@@ -216,6 +221,8 @@ def test_timings_reach_the_store_stragglers_status_and_prometheus(tmp_path, caps
     rows = store.read("cp-timings")
     assert len(rows) == 4 * 40 and {r["node"] for r in rows} == {"n0", "n1"}
     assert {r["incarnation"] for r in rows} == {1}
+    timings = sorted(Path(job.handle.run_dir).glob("timings-rank*.jsonl"))
+    assert len(timings) == 8 and all(p.stat().st_size < 2 * 2**20 * 0.002 for p in timings)  # 4 ranks, 2 parts
     assert store.read_status("cp-timings")["stragglers"]  # what `megascale dashboard` shows
     log = Path(job.handle.run_dir, "driver.log").read_text()
     assert "event: straggler: rank 1 on n0" in log

@@ -7,6 +7,8 @@ import threading
 import time
 
 import pytest
+import yaml
+from megascale.cli import main
 from megascale.executor.metrics_publisher import MetricsPublisher
 from megascale.driver.metrics.schema import SEGMENTS, decode, encode
 from megascale.driver.metrics.sources import RunDirSource
@@ -193,3 +195,19 @@ def test_run_dir_is_read_incrementally_and_waits_for_whole_lines(real_run, tmp_p
         f.write(line[20:] + "\n")
     assert source.step_range() == (1, 4) and [r["rank"] for r in source.read(4, 4)] == [0]
     assert source.status()["state"] == "finished"
+
+
+def test_a_long_runs_timings_files_stay_bounded_and_the_dashboard_reads_their_newest_steps(tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "rolled", "model": {"layers": 1, "hidden": 16, "heads": 2, "ffn": 32, "vocab": 32, "seq": 8},
+        "batch": {"micro": 1, "global": 1}, "train": {"steps": 40, "run_dir": str(tmp_path / "runs")},
+        "logging": {"jsonl_max_mb": 0.002, "tensorboard": False}}))  # ~2 KB: a few steps' timings a part
+    assert main(["train", str(config), "--quiet"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    parts = sorted(p.name for p in run.glob("timings-rank*.jsonl"))
+    assert parts == ["timings-rank0.1.jsonl", "timings-rank0.jsonl"]
+    assert all((run / p).stat().st_size < 2 * 2**20 * 0.002 for p in parts)
+    first, last = RunDirSource(run).step_range()
+    assert last == 40 and first > 1  # the oldest steps rolled off
+    assert [r["step"] for r in RunDirSource(run).read()] == list(range(first, 41))  # both parts, in order, once
