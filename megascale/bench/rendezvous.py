@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megascale.bench.store_sim import LAYOUTS, TIMEOUT, simulate
 from megascale.common.errors import first_line
 from megascale.parallel.topology import build_context
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 from megascale.rendezvous.groups import group_specs, world_group_specs
 
 NAIVE_SAMPLE = {256: 16, 1024: 12, 2048: 8}  # world-wide barriers actually timed, per world size

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megascale.bench import BenchFailed
 from megascale.parallel.topology import Layout
 from megascale.rendezvous import redis_store
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 from megascale.rendezvous.groups import group_specs, world_group_specs
 from megascale.rendezvous.redis_store import RedisStore
 

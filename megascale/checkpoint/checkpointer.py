@@ -21,7 +21,8 @@ import logging
 import time
 from typing import Callable, Mapping, Optional
 
-from megascale.checkpoint.client import HostBuffer, KeeperGone, KeeperLink
+from megascale.checkpoint.client import KeeperGone, KeeperLink
+from megascale.checkpoint.host_buffer import HostBuffer
 from megascale.checkpoint.host_comm import HostGroups
 from megascale.checkpoint.memory_snapshots import MemorySnapshots, snapshot_digest
 from megascale.checkpoint.reshard import describe, slice_sources

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megascale.checkpoint.client import HostBuffer
+from megascale.checkpoint.host_buffer import HostBuffer
 from megascale.parallel.topology import ParallelContext
 
 RECORD_BYTES = 1024  # one rank's persist outcome, gathered to rank 0 as fixed-size JSON

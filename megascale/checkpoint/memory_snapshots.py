@@ -27,7 +27,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Optional
 
-from megascale.checkpoint.client import HostBuffer, KeeperGone, KeeperLink
+from megascale.checkpoint.client import KeeperGone, KeeperLink
+from megascale.checkpoint.host_buffer import HostBuffer
 from megascale.checkpoint.host_comm import HostGroups
 from megascale.checkpoint.replica import ReplicaError, fetch_replica, node_address, stat_replica
 from megascale.checkpoint.reshard import Sources

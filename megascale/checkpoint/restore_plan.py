@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from megascale.checkpoint.client import HostBuffer, KeeperLink
+from megascale.checkpoint.client import KeeperLink
+from megascale.checkpoint.host_buffer import HostBuffer
 from megascale.checkpoint.host_comm import HostGroups
 from megascale.checkpoint.reshard import Sources, TPSlice, copy_intervals, held_as, overlaps
 from megascale.checkpoint.save_plan import SHARDED, TENSOR, SavePlan, check_header

@@ -3,7 +3,7 @@
 Importing this package registers the `redis://host:port/<job>` init method (and `rediss://`, over
 TLS) with torch.distributed, so `init_process_group(init_method="redis://...")` works after it.
 """
-from megascale.rendezvous.embedded import EmbeddedRedis, start_embedded
+from megascale.common.embedded_redis import EmbeddedRedis, start_embedded
 from megascale.rendezvous.groups import GroupSpec, group_specs, world_group_specs
 from megascale.rendezvous.init_method import join, register_handler, store_from_url
 from megascale.rendezvous.redis_store import RedisStore, RendezvousError, RendezvousTimeout

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from megascale.checkpoint import RngState
-from megascale.checkpoint.client import HostBuffer
+from megascale.checkpoint.host_buffer import HostBuffer
 from megascale.checkpoint.reshard import Sources
 from megascale.checkpoint.restore_plan import Assembly
 from megascale.checkpoint.save_plan import SavePlan

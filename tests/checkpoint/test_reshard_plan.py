@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megascale.checkpoint.client import HostBuffer
+from megascale.checkpoint.host_buffer import HostBuffer
 from megascale.checkpoint.reshard import TPSlice, copy_intervals, overlaps, slice_sources
 from megascale.checkpoint.restore_plan import Assembly
 from megascale.checkpoint.save_plan import SavePlan, tensor_table

@@ -21,6 +21,17 @@ def test_the_driver_does_not_import_torch():
                    ) == "[]"
 
 
+def test_the_supervisor_and_the_executor_do_not_import_torch():
+    # each lives for the whole job (an executor per node): torch was ~150 MB of each one's 230-240 MB; the ranks
+    # they start import it themselves. Imported with what they use at run time: the embedded Redis the supervisor
+    # restarts, the keeper it shuts down, the communication environment the executor gives its ranks.
+    assert _python("import sys, megascale.driver.supervisor, megascale.executor.__main__; "
+                   "from megascale.checkpoint import shutdown_keeper; "
+                   "from megascale.common.embedded_redis import EmbeddedRedis; "
+                   "from megascale.common.comm_env import comm_env; "
+                   "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])") == "[]"
+
+
 def test_the_driver_allocates_from_a_pool_that_returns_freed_pages():
     use = "from megascale.driver.metrics.store import use_returning_memory_pool as u; print(u())"
     assert _python(use) in ("jemalloc", "system")

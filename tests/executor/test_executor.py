@@ -9,7 +9,7 @@ import redis
 
 from megascale.config import from_dict
 from megascale.driver.bus import TopicReader
-from megascale.rank import DEFAULT_COMM_ENV, comm_env
+from megascale.common.comm_env import DEFAULT_COMM_ENV, comm_env
 from megascale.executor.ranks import classify
 from megascale.common.messages import (Ack, Command, Heartbeat, Metric, Timings, acks_key, command_stream, decode,
                                        encode, topic)

@@ -19,7 +19,7 @@ from megascale.common.processes import free_port
 from megascale.driver.services import port_open
 from megascale.driver.state import JobStore
 from megascale.rendezvous import RendezvousError, join, store_from_url
-from megascale.rendezvous.embedded import EmbeddedRedis, redis_binary
+from megascale.common.embedded_redis import EmbeddedRedis, redis_binary
 
 REFUSED = (redis.AuthenticationError, redis.ResponseError)  # NOAUTH / WRONGPASS, whichever the server says
 

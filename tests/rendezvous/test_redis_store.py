@@ -336,7 +336,7 @@ def test_bench_async_driver_sends_what_redis_store_sends(server, job, monkeypatc
 
 
 def test_embedded_redis_prefers_an_installed_redis_server(monkeypatch):
-    from megascale.rendezvous import embedded
+    from megascale.common import embedded_redis as embedded
 
     monkeypatch.setattr(embedded.shutil, "which",
                         lambda name: "/usr/bin/redis-server" if name == "redis-server" else None)

@@ -66,7 +66,7 @@ def operator_runtime(cr: dict, operator_config: str, active: int, spares: int):
     from megascale.driver.k8s.operator import Operator, Runtime
     from megascale.driver.k8s.spec import ServiceDefaults
     from megascale.driver.state import JobRecord, JobStore, NodeSlot
-    from megascale.rendezvous.embedded import EmbeddedRedis
+    from megascale.common.embedded_redis import EmbeddedRedis
     job = cr["metadata"]["name"]
     with EmbeddedRedis() as server:
         store = JobStore.from_url(server.url, f"{NS}.{job}")

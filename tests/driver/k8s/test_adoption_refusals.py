@@ -15,7 +15,7 @@ from megascale.driver.k8s.operator import Operator
 from megascale.driver.k8s.spec import ServiceDefaults
 from megascale.driver.services import EmbeddedKafka
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 QUOTA = ('configmaps "gpt-resolved-config" is forbidden: exceeded quota: objects, requested: count/configmaps=1, '
          'used: count/configmaps=10, limited: count/configmaps=10')

@@ -16,7 +16,7 @@ from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.status import HISTORY, build
 from megascale.driver.state import JobRecord, JobState, NodeSlot
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 
 def pod(name: str, job: str = "gpt", node: str = "n0") -> dict:

@@ -19,7 +19,7 @@ from megascale.driver.k8s.spec import ServiceDefaults
 from megascale.driver.state import JobRecord, JobState, JobStore
 from schema_tools import MISSING, Invalid, admit, evaluate
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 SCHEMA = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC = SCHEMA["properties"]["spec"]

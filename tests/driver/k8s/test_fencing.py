@@ -19,7 +19,7 @@ from megascale.driver.services import EmbeddedKafka
 from megascale.driver.state import JobRecord, JobStore
 
 from megascale.common.processes import stop_process
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 JOB = "gpt"
 FAST = {"lease_s": 2, "renew_deadline_s": 1.2, "retry_s": 0.2}

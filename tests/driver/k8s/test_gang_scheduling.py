@@ -22,7 +22,7 @@ from megascale.driver.k8s.spec import PodPolicy, ServiceDefaults
 from megascale.driver.reconcile import Driver
 from megascale.driver.state import JobRecord, JobState, JobStore, NodeSlot
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 JOB = "gpt"
 LAUNCH = NodeLaunch(job=f"{NS}.{JOB}", redis_url="redis://r:6379/0", kafka="k:9092", run_dir=spec.RUN_DIR,

@@ -18,7 +18,7 @@ from megascale.driver.k8s.spec import PodPolicy, ServiceDefaults
 from megascale.driver.recovery import selfcheck
 from megascale.driver.state import Fault, JobRecord, JobStore, NodeSlot, Recovery
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus."
 

@@ -28,7 +28,7 @@ from megascale.driver.state import JobStore
 
 from megascale.common.messages import acks_key
 from megascale.driver import sim_rank
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 JOB = "gpt"
 

@@ -12,7 +12,7 @@ from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.ownership import Leftover
 from megascale.driver.k8s.spec import PodPolicy
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 JOB = "gpt"
 LAUNCH = NodeLaunch(job=f"{NS}.{JOB}", redis_url="redis://r:6379/0", kafka="k:9092", run_dir=spec.RUN_DIR,

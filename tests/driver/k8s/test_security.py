@@ -19,7 +19,7 @@ from megascale.driver.state import Fault, JobRecord, JobStore, NodeSlot, Recover
 from schema_tools import Invalid, admit
 
 from megascale.common.messages import command_stream
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 from megascale.rendezvous.redis_store import namespace
 
 SCHEMA = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

@@ -17,7 +17,7 @@ from megascale.driver.k8s.operator import Operator
 from megascale.driver.k8s.spec import ServiceDefaults
 from megascale.driver.services import EmbeddedKafka
 
-from megascale.rendezvous.embedded import EmbeddedRedis
+from megascale.common.embedded_redis import EmbeddedRedis
 
 JOB = "duo"
 LEASE = {"lease_s": 2, "renew_deadline_s": 1.2, "retry_s": 0.25}
