@@ -24,7 +24,9 @@ class Telemetry:
         self.store, self.job = store, store.job
         self.metrics = JobMetrics(self.job, cfg.ranks_per_node)
         self.stragglers = StragglerWatch(self.metrics, cfg)
-        self.timings = ParquetStore(Path(run_dir) / "metrics")
+        days = cfg.logging.timings_keep_days
+        self.timings = ParquetStore(Path(run_dir) / "metrics", max_steps=cfg.logging.timings_keep_steps,
+                                    max_age_s=days * 86400 if days is not None else None)
         self.consumer = MetricsConsumer(kafka, self.job, self.timings, on_records=self.stragglers.observe)
         self.prometheus_url: Optional[str] = None
         self._http = None

@@ -237,6 +237,11 @@ class LoggingConfig:
     # Each rank's per-step JSON-lines files (timings, progress) roll over past this size, keeping one earlier
     # part: at most twice this each, however long the run. 0 = never
     jsonl_max_mb: float = 64.0
+    # The driver's store of every rank's step timings (<run_dir>/metrics, ~100 bytes a rank-step): it deletes step
+    # ranges (1,000 steps each) wholly this many steps behind the newest, and files older than this many days.
+    # None = keep them all
+    timings_keep_steps: Optional[int] = None
+    timings_keep_days: Optional[float] = None
 
     def jsonl_max_bytes(self) -> Optional[int]:
         return int(self.jsonl_max_mb * 2**20) if self.jsonl_max_mb else None

@@ -125,6 +125,10 @@ def _validate_eval(cfg: JobConfig) -> None:
                           "(a fraction of data.path's documents)")
     if cfg.logging.peak_tflops is not None:
         _positive("logging.peak_tflops", cfg.logging.peak_tflops)
+    if cfg.logging.timings_keep_steps is not None:
+        _positive("logging.timings_keep_steps", cfg.logging.timings_keep_steps)
+    if cfg.logging.timings_keep_days is not None:
+        _positive("logging.timings_keep_days", cfg.logging.timings_keep_days)
     if cfg.logging.jsonl_max_mb < 0:
         raise ConfigError(f"logging.jsonl_max_mb={cfg.logging.jsonl_max_mb}: must be >= 0 (0 = never roll over)")
 

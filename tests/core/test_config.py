@@ -51,6 +51,8 @@ def test_defaults_validate_and_round_trip():
     ({"data": {"source": "text", "path": "x"}, "eval": {"split": 0.1, "data": "y"}}, "eval.split: set either"),
     ({"logging": {"peak_tflops": 0}}, "logging.peak_tflops=0.0: must be > 0"),
     ({"logging": {"jsonl_max_mb": -1}}, "logging.jsonl_max_mb=-1.0: must be >= 0 (0 = never roll over)"),
+    ({"logging": {"timings_keep_steps": 0}}, "logging.timings_keep_steps=0: must be > 0"),
+    ({"logging": {"timings_keep_days": -2}}, "logging.timings_keep_days=-2.0: must be > 0"),
     ({"services": {"broker_max_mb": 10}}, "services.broker_max_mb=10.0: must be >= 64"),
 ])
 def test_bad_config_names_the_field(sections, message):

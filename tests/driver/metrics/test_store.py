@@ -5,10 +5,14 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
+
 from megascale.cli import main
+from megascale.config import from_dict
+from megascale.driver.telemetry import Telemetry
 from megascale.executor.metrics_publisher import MetricsPublisher
 from megascale.driver.metrics.schema import SEGMENTS, decode, encode
 from megascale.driver.metrics.sources import RunDirSource
@@ -211,3 +215,15 @@ def test_a_long_runs_timings_files_stay_bounded_and_the_dashboard_reads_their_ne
     first, last = RunDirSource(run).step_range()
     assert last == 40 and first > 1  # the oldest steps rolled off
     assert [r["step"] for r in RunDirSource(run).read()] == list(range(first, 41))  # both parts, in order, once
+
+
+def test_the_drivers_store_keeps_what_the_job_config_says(tmp_path, real_run):
+    cfg = from_dict({"logging": {"timings_keep_steps": 1000, "timings_keep_days": 7}})
+    telemetry = Telemetry(SimpleNamespace(job="kept"), cfg, "127.0.0.1:1", str(tmp_path))  # its threads not started
+    store = telemetry.timings
+    assert (store.max_steps, store.max_age_s) == (1000, 7 * 86400)
+    for step in (10, 1010, 2010, 3010):  # one row in each of four 1,000-step ranges
+        store.write("kept", [{**real_run[0], "step": step}])
+    store.apply_retention("kept")  # newest 3010, keep 1,000 steps: from 2011; ranges wholly before it go
+    assert store.step_range("kept") == (2010, 3010)
+    assert Telemetry(SimpleNamespace(job="all"), from_dict({}), "127.0.0.1:1", str(tmp_path)).timings.max_steps is None
