@@ -58,7 +58,10 @@ class EmbeddedRedis:
         self.username, self.password = username, password
         self.data_dir = os.fspath(data_dir) if data_dir else None
         self.proc: subprocess.Popen | None = None
-        self._dir = tempfile.mkdtemp(prefix="megascale-redis-")
+        # The server's own files (the ACL holding the password): in the caller's data_dir where there is one, so
+        # an owner killed outright (the supervisor, kill -9) leaves them in the job's directory, not in /tmp.
+        self._dir = (os.path.join(self.data_dir, "private") if self.data_dir
+                     else tempfile.mkdtemp(prefix="megascale-redis-"))
 
     @property
     def url(self) -> str:
@@ -137,7 +140,7 @@ class EmbeddedRedis:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """Stops the server and removes its private directory; a `data_dir` is the caller's and stays."""
+        """Stops the server and removes its private directory; the rest of a `data_dir` is the caller's and stays."""
         if self.proc:
             stop_process(self.proc, grace_s=5)
         if self.proc and self.proc.stderr:

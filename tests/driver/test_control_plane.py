@@ -83,9 +83,13 @@ def test_ctrl_c_on_run_stops_the_job_in_order_and_leaves_nothing_behind(tmp_path
     job.assert_services_gone()
 
 
-def test_a_killed_supervisor_leaves_a_job_that_still_answers_and_ends_cleanly(tmp_path, capsys, wait):
+def test_a_killed_supervisor_leaves_a_job_that_still_answers_and_ends_cleanly(tmp_path, capsys, wait, monkeypatch):
     """SIGKILL (the OOM killer) of a launched job's supervisor: training goes on under its driver,
-    `status` / `stop` still reach it, and its end stops the embedded services the supervisor started."""
+    `status` / `stop` still reach it, and its end stops the embedded services the supervisor started.
+    Nothing of them stays in the temporary directory: the supervisor's Redis kept its ACL file there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the supervisor's, and so its Redis's
     job = launch(capsys, job_yaml(tmp_path, "cp-orphan", steps=100000), "cp-orphan")
     wait(lambda: job.state() == JobState.RUNNING and job.status().get("step"), 60, "training progress")
     os.kill(job.handle.supervisor_pid, signal.SIGKILL)
@@ -97,6 +101,7 @@ def test_a_killed_supervisor_leaves_a_job_that_still_answers_and_ends_cleanly(tm
     assert "job cp-orphan stopped: stopped by user" in cli(capsys, "stop", "cp-orphan")
     assert job.refresh().final["state"] == "Stopped" and job.handle.driver_pid is None
     job.assert_services_gone()
+    assert not list(tmp.glob("megascale-redis-*"))
 
 
 def test_stop_cleans_up_after_a_job_whose_supervisor_and_driver_were_both_killed(tmp_path, capsys, wait):
