@@ -67,7 +67,9 @@ class LineFollower:
             inode = os.fstat(f.fileno()).st_ino
             earlier: list[bytes] = []
             if at is None:
-                earlier, _ = _rest(rolled(path), None)
+                earlier, read = _rest(rolled(path), None)
+                if read is not None and read[0] == inode:  # it rolled over since the open: that part is this file
+                    earlier = []
                 at = (inode, 0)
             elif at[0] != inode:
                 earlier, _ = _rest(rolled(path), at)

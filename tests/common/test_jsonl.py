@@ -71,3 +71,10 @@ def test_a_first_read_takes_the_history_on_disk_and_skip_to_end_only_what_comes_
     missing.skip_to_end(tmp_path / "none.jsonl")  # not written yet: all of it is new
     (tmp_path / "none.jsonl").write_text('{"step": 7}\n')
     assert _steps(missing.read(tmp_path / "none.jsonl")) == [7]
+
+
+def test_a_first_read_during_a_rollover_takes_the_part_once(tmp_path):
+    path = tmp_path / "timings-rank3.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+    os.link(path, rolled(path))  # as if the file opened for reading had just been renamed to its earlier part
+    assert _steps(LineFollower().read(path)) == [1, 2]
