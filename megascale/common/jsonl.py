@@ -75,10 +75,9 @@ class LineFollower:
                 earlier, _ = _rest(rolled(path), at)
                 at = (inode, 0)
             f.seek(at[1])
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1
+            lines, end = _whole_lines(f.read())
         self._at[path] = (inode, at[1] + end)
-        return earlier + chunk[:end].splitlines()
+        return earlier + lines
 
 
 def _rest(path: Path, at: Optional[tuple[int, int]]) -> tuple[list[bytes], Optional[tuple[int, int]]]:
@@ -91,8 +90,13 @@ def _rest(path: Path, at: Optional[tuple[int, int]]) -> tuple[list[bytes], Optio
                 return [], at
             offset = at[1] if at is not None else 0
             f.seek(offset)
-            chunk = f.read()
+            lines, end = _whole_lines(f.read())
     except FileNotFoundError:
         return [], at
+    return lines, (inode, offset + end)
+
+
+def _whole_lines(chunk: bytes) -> tuple[list[bytes], int]:
+    """The whole lines of `chunk` and the bytes they take (a half-written last line waits for the next read)."""
     end = chunk.rfind(b"\n") + 1
-    return chunk[:end].splitlines(), (inode, offset + end)
+    return chunk[:end].splitlines(), end

@@ -310,7 +310,10 @@ class JsonlTail:
 
     def __init__(self) -> None:
         self._lines = LineFollower()
-        self.skip_to_end = self._lines.skip_to_end
+
+    def skip_to_end(self, path: Path) -> None:
+        """Only lines written from now on (a new incarnation's)."""
+        self._lines.skip_to_end(path)
 
     def read(self, paths: Iterable[Path]) -> list[dict]:
         out = []
