@@ -7,7 +7,7 @@ import sys
 
 from megascale.common.processes import pid_alive
 
-from .metrics.store import use_returning_memory_pool
+from .arrow_pool import pool_in_use
 from .reconcile import Driver
 from .state import JobStore
 from .supervisor import finish_for_supervisor
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # reconnect noise during broker restarts
-    use_returning_memory_pool()
+    pool_in_use()
     store = JobStore.from_url(args.redis, args.job)
     code = Driver(store, args.redis, args.kafka).run()
     orphaned = args.supervisor_pid and not pid_alive(args.supervisor_pid)

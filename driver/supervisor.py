@@ -25,6 +25,7 @@ from megascale.config import ConfigError, JobConfig, from_dict, load_config, new
 from megascale.preflight import absolute_data_path
 
 from . import log
+from .arrow_pool import driver_environment
 from .backend import NodeLaunch, make_backend
 from megascale.common.processes import stop_process
 
@@ -189,7 +190,7 @@ class Supervisor:
                                             "--redis", services.redis_url, "--kafka", services.kafka,
                                             "--supervisor-pid", str(os.getpid())],
                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           start_new_session=True)
+                                           start_new_session=True, env=driver_environment())
         handle.driver_pid, handle.driver_started = self.driver.pid, time.time()
         handle.save()
         log.info("driver started (pid %d)", self.driver.pid)

@@ -25,6 +25,7 @@ from megascale.config import ConfigError, from_dict
 from megascale.common.lifetime import die_with_parent
 
 from .. import log
+from ..arrow_pool import driver_environment, pool_in_use
 from ..backend import NodeLaunch
 from ..reconcile import Driver
 from ..state import JobStore
@@ -50,7 +51,9 @@ def spawn(namespace: str, name: str, redis_url: str, kafka: str, *, kubeconfig: 
         argv += ["--service-account", account]
     if priority_class:
         argv += ["--priority-class", priority_class]
-    env = {**os.environ, SECRETS_ENV: str(secrets_file)} if secrets_file else None
+    env = driver_environment()
+    if secrets_file:
+        env[SECRETS_ENV] = str(secrets_file)
     out = open(log_file, "ab") if log_file else None
     try:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -77,6 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {args.namespace}/{args.name} %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    pool_in_use()
     store = JobStore.from_url(args.redis, job_id(args.namespace, args.name))
     rec = store.load()
     if rec is None:

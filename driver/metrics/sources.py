@@ -158,9 +158,3 @@ def _last_json_line(path: Path, key: Optional[str] = None) -> Optional[dict]:
     except FileNotFoundError:
         return None
     return None
-    for line in reversed(lines):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None

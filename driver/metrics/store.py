@@ -39,19 +39,6 @@ SCHEMA = pa.schema([("step", pa.int64()), ("rank", pa.int32()), ("tp", pa.int32(
                    + [("node", pa.string()), ("incarnation", pa.int64()), ("received", pa.float64())])
 
 
-def use_returning_memory_pool() -> str:
-    """Makes pyarrow allocate from jemalloc (the system allocator where this pyarrow has none) unless
-    ARROW_DEFAULT_MEMORY_POOL names a pool; returns the pool's name. For a process that writes and compacts
-    the store for weeks (the driver): pyarrow's default here, mimalloc, keeps the pages that compactions free
-    and grew the driver 36-84 MB/h in soaks; on jemalloc it levels off by minute 12 (BENCHMARKS.md, soak)."""
-    if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        try:
-            pa.set_memory_pool(pa.jemalloc_memory_pool())
-        except NotImplementedError:  # a pyarrow built without jemalloc
-            pa.set_memory_pool(pa.system_memory_pool())
-    return pa.default_memory_pool().backend_name
-
-
 def check_job(job: str) -> str:
     if not _JOB_NAME.match(job or ""):
         raise ValueError(f"job name {job!r} is not usable as a directory name (letters, digits, . _ -)")

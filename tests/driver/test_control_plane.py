@@ -51,6 +51,8 @@ def test_launch_status_pause_resume_survive_driver_kill_stop(tmp_path, capsys, w
     os.kill(old_driver, signal.SIGKILL)
     wait(lambda: job.refresh().driver_pid not in (None, old_driver), 30, "the supervisor to restart the driver")
     wait(lambda: job.status().get("driver", "").endswith(f":{job.handle.driver_pid}"), 30, "the new driver to lead")
+    with open(f"/proc/{job.handle.driver_pid}/environ", "rb") as f:  # its Parquet work on a pool that returns pages
+        assert b"ARROW_DEFAULT_MEMORY_POOL=jemalloc" in f.read().split(b"\0")
     wait(lambda: (job.status().get("step") or 0) >= step + 5, 30, "training to go on under the new driver")
     rec = job.store.load()
     assert (rec.state, rec.incarnation, rec.restarts) == (JobState.RUNNING, 2, 0)  # the ranks never noticed

@@ -46,6 +46,8 @@ def test_a_driver_whose_operator_lost_the_lease_writes_nothing_more_and_stops(ap
                                    service_accounts=[], secrets_file=None, log_file=tmp_path / "driver.log")
             wait_for(lambda: api.get("pods", f"{JOB}-n0", NS), 60, "the driver to create its pod")
             assert proc.poll() is None and store.lease_holder()
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:  # its Parquet work on a pool that returns pages
+                assert b"ARROW_DEFAULT_MEMORY_POOL=jemalloc" in f.read().split(b"\0")
 
             # another replica takes the Lease over: this operator's renewal finds it taken and closes the fence
             api.update("leases", "megascale-operator", SYSTEM_NS, lambda lease: lease["spec"].update(
