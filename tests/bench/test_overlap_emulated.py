@@ -56,3 +56,19 @@ def test_placed_ranks_run_in_their_nodes_namespaces_and_reach_each_other_across_
         netemu.teardown(job)
     assert [ns for ns, _ in found] == expected and expected[0] != expected[1]
     assert [total for _, total in found] == [3.0, 3.0]
+
+
+def test_the_link_rate_is_cluster_link_gbit_s_default_unless_given_and_a_bad_one_is_one_line(monkeypatch, capsys):
+    from megascale import cli
+    from megascale.config import ClusterConfig
+
+    seen = []
+    monkeypatch.setattr(overlap, "run", lambda args: seen.append(args.link_gbit) or {"link_gbit": args.link_gbit})
+    assert cli.main(["bench", "overlap", "--json"]) == 0 and cli.main(["bench", "overlap", "--link-gbit", "0.5"]) == 0
+    assert seen == [ClusterConfig.link_gbit, 0.5] and ClusterConfig.link_gbit == 2.0
+    for bad in ("0", "-1", "nan", "fast"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["bench", "overlap", "--link-gbit", bad])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == \
+            f"megascale bench: error: argument --link-gbit: '{bad}' is not a positive number"
