@@ -31,13 +31,19 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parquet", help="the driver's metrics store (Parquet root)")
     parser.add_argument("--runs-root", default="runs", help="where local runs are (default ./runs)")
     parser.add_argument("--ranks-per-node", type=int, help="ranks per node (default: from the run's config, else 8)")
+    parser.add_argument("--keep-steps", type=int, metavar="N",
+                        help="a run directory's newest N steps held in memory (default 100,000; 0 = all)")
 
 
 def _open(args: argparse.Namespace):
     from .sources import open_source
 
+    if args.keep_steps is not None and args.keep_steps < 0:
+        print("error: --keep-steps must be 0 (all) or more", file=sys.stderr)
+        return None, 0
+    kept = {} if args.keep_steps is None else {"keep_steps": args.keep_steps or None}
     try:
-        source = open_source(args.job, args.parquet, args.run_dir, args.runs_root)
+        source = open_source(args.job, args.parquet, args.run_dir, args.runs_root, **kept)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return None, 0

@@ -10,8 +10,13 @@ from typing import Optional, Protocol
 
 import yaml
 
-from megascale.common.messages import JsonlTail
-from .store import ParquetStore
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from megascale.common.jsonl import LineFollower
+from megascale.common.messages import timings_line
+from .store import SCHEMA, ParquetStore, dedupe, to_records, to_table
 
 
 class TimingsSource(Protocol):
@@ -38,12 +43,16 @@ class ParquetSource:
 
 
 _TIMINGS = re.compile(r"timings-rank\d+\.jsonl")
+KEEP_STEPS = 100_000  # a run directory's newest steps held in memory: about a day at a step a second
+_CHUNK_LINES = 50_000  # parsed at a time: a long run's first read never holds its whole files as dicts
 
 
 class RunDirSource:
-    """A run directory, read incrementally: the files only grow while a run is going."""
+    """A run directory, read incrementally: the files only grow while a run is going. What it has read is held
+    as one Arrow table (about 150 bytes a rank-step; a parsed line took 2 KB), the newest `keep_steps` steps of
+    it (None: all), so a dashboard left open on a run of weeks stays bounded."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, keep_steps: Optional[int] = KEEP_STEPS):
         self.dir = Path(run_dir)
         if not self.dir.is_dir():
             raise FileNotFoundError(f"run directory {self.dir} does not exist")
@@ -53,28 +62,46 @@ class RunDirSource:
         par, cluster = config.get("parallelism") or {}, config.get("cluster") or {}
         world = int(par.get("tp", 1)) * int(par.get("pp", 1)) * int(par.get("dp", 1))
         self.ranks_per_node = cluster.get("ranks_per_node") or max(1, world // int(cluster.get("nodes") or 1))
-        self._records: dict[tuple[int, int], dict] = {}
-        self._tail = JsonlTail()
+        self.keep_steps = keep_steps
+        self._table = SCHEMA.empty_table()  # one row per (step, rank), sorted by step then rank
+        self._lines = LineFollower()
         self._lock = threading.Lock()
 
     def timing_files(self) -> list[Path]:
-        """Each rank's timings file (the tail reads its earlier part, common/jsonl.py, with it)."""
+        """Each rank's timings file (the follower reads its earlier part, common/jsonl.py, with it)."""
         return sorted(p for p in self.dir.glob("timings-rank*.jsonl") if _TIMINGS.fullmatch(p.name))
 
     def _refresh(self) -> None:
         with self._lock:
-            for rec in self._tail.read(self.timing_files()):
-                self._records[(rec["step"], rec["rank"])] = rec  # a resumed run replays steps: the newest wins
+            for path in self.timing_files():
+                lines = self._lines.read(path)
+                for at in range(0, len(lines), _CHUNK_LINES):
+                    records = [r for line in lines[at:at + _CHUNK_LINES] if (r := timings_line(line)) is not None]
+                    if records:
+                        self._add(to_table(records))
+
+    def _add(self, batch: pa.Table) -> None:
+        """Merges `batch` in: only the held rows from its first step on are sorted again (the ranks' files are
+        read one after another, and a resumed run replays steps); the newest row of a (step, rank) wins."""
+        held, steps = self._table, self._table["step"].to_numpy()
+        cut = int(np.searchsorted(steps, pc.min(batch["step"]).as_py(), side="left"))
+        table = pa.concat_tables([held.slice(0, cut), dedupe(pa.concat_tables([held.slice(cut), batch]))])
+        if self.keep_steps is not None:
+            steps = table["step"].to_numpy()
+            table = table.slice(int(np.searchsorted(steps, steps[-1] - self.keep_steps, side="right")))
+        self._table = table.combine_chunks() if table["step"].num_chunks > 32 else table
 
     def step_range(self) -> Optional[tuple[int, int]]:
         self._refresh()
-        steps = [step for step, _ in self._records]
-        return (min(steps), max(steps)) if steps else None
+        steps = self._table["step"]
+        return (steps[0].as_py(), steps[-1].as_py()) if len(steps) else None
 
     def read(self, first: Optional[int] = None, last: Optional[int] = None) -> list[dict]:
         self._refresh()
-        keys = sorted(k for k in self._records if (first is None or k[0] >= first) and (last is None or k[0] <= last))
-        return [self._records[k] for k in keys]
+        table, steps = self._table, self._table["step"].to_numpy()
+        lo = 0 if first is None else int(np.searchsorted(steps, first, side="left"))
+        hi = len(steps) if last is None else int(np.searchsorted(steps, last, side="right"))
+        return to_records(table.slice(lo, max(0, hi - lo)))
 
     def status(self) -> dict:
         """What a finished or running local run can say about itself (no driver: no restarts, no ETTR)."""
@@ -91,10 +118,11 @@ class RunDirSource:
 
 
 def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Optional[str] = None,
-                runs_root: str = "runs") -> TimingsSource:
-    """The source the CLI flags name; with only JOB, the newest `runs/<JOB>-*` that has timings."""
+                runs_root: str = "runs", keep_steps: Optional[int] = KEEP_STEPS) -> TimingsSource:
+    """The source the CLI flags name; with only JOB, the newest `runs/<JOB>-*` that has timings (a run
+    directory's source holding its newest `keep_steps` steps)."""
     if run_dir:
-        return RunDirSource(run_dir)
+        return RunDirSource(run_dir, keep_steps)
     if parquet:
         store = ParquetStore(parquet)
         jobs = store.jobs()
@@ -105,13 +133,13 @@ def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Opti
                                     f"name one of them")
         return ParquetSource(store, job)
     if job and Path(job).is_dir():  # a run directory, as `megascale export RUN_DIR` takes one
-        source = _source_of_run(Path(job))
+        source = _source_of_run(Path(job), keep_steps=keep_steps)
         if source is None:
             raise FileNotFoundError(f"{job}: no per-rank timings (timings-rank*.jsonl or metrics/) in this directory")
         return source
     if job:
         runs = sorted(Path(runs_root).glob(f"{job}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
-        source = next((s for run in runs if (s := _source_of_run(run, job)) is not None), None)
+        source = next((s for run in runs if (s := _source_of_run(run, job, keep_steps)) is not None), None)
         if source is None:
             raise FileNotFoundError(f"no run of job {job!r} with per-rank timings under {runs_root}/; "
                                     f"pass --run-dir RUN or --parquet DIR")
@@ -119,14 +147,15 @@ def open_source(job: Optional[str], parquet: Optional[str] = None, run_dir: Opti
     raise FileNotFoundError("name a JOB, --run-dir RUN or --parquet DIR")
 
 
-def _source_of_run(run: Path, job: Optional[str] = None) -> Optional[TimingsSource]:
+def _source_of_run(run: Path, job: Optional[str] = None, keep_steps: Optional[int] = KEEP_STEPS
+                   ) -> Optional[TimingsSource]:
     """A run directory's timings (of `job`, when given): its driver's metrics store where a driver ran it,
     since that one has the live status, else its ranks' own timings files; None where it has neither."""
     stores = sorted((run / "metrics").glob(f"job={job or '*'}"))
     if stores and stores[0].is_dir():
         return ParquetSource(ParquetStore(run / "metrics"), stores[0].name.removeprefix("job="))
     if any(run.glob("timings-rank*.jsonl")):
-        return RunDirSource(run)
+        return RunDirSource(run, keep_steps)
     return None
 
 

@@ -316,13 +316,13 @@ class JsonlTail:
         self._lines.skip_to_end(path)
 
     def read(self, paths: Iterable[Path]) -> list[dict]:
-        out = []
-        for path in paths:
-            for line in self._lines.read(path):
-                try:
-                    rec = as_timings(json.loads(line))
-                except ValueError:
-                    continue
-                if rec is not None:
-                    out.append(rec)
-        return out
+        return [rec for path in paths for line in self._lines.read(path) if (rec := timings_line(line)) is not None]
+
+
+def timings_line(line: bytes) -> Optional[dict]:
+    """The StepTimings dict of one JSONL line (as_timings), None for a line that holds none or is not JSON."""
+    try:
+        loaded = json.loads(line)
+    except ValueError:
+        return None
+    return as_timings(loaded) if isinstance(loaded, dict) else None  # a stray `5` or `[]` line is not one either

@@ -217,6 +217,42 @@ def test_a_long_runs_timings_files_stay_bounded_and_the_dashboard_reads_their_ne
     assert [r["step"] for r in RunDirSource(run).read()] == list(range(first, 41))  # both parts, in order, once
 
 
+def _timings(step: int, rank: int, total: float = 1.0) -> dict:
+    return {"step": step, "rank": rank, "tp": rank % 2, "pp": 0, "dp": rank // 2, "start": 100.0 + step,
+            "total": total, "segments": {"forward": total / 2, "backward": total / 2}}
+
+
+def test_a_run_directory_source_holds_the_newest_steps_compactly_and_the_newest_line_of_a_replayed_step(
+        tmp_path, facts):
+    run = facts.write_run_dir(tmp_path / "run", [_timings(s, r) for s in range(1, 301) for r in range(4)])
+    source = RunDirSource(run, keep_steps=100)
+    assert source.step_range() == (201, 300)  # ranks' files read one after another, trimmed to the newest 100
+    assert [(r["step"], r["rank"]) for r in source.read()] == [(s, r) for s in range(201, 301) for r in range(4)]
+    # a dict a parsed line took ~2 KB: 4 ranks x 100,000 steps held ~0.8 GB; now ~150 bytes a rank-step
+    assert source._table.nbytes / source._table.num_rows < 200
+    with open(run / "timings-rank1.jsonl", "a") as f:  # resumed from a checkpoint at 280: 281-300 replayed
+        f.write("".join(json.dumps(_timings(s, 1, total=2.0)) + "\n" for s in range(281, 311)))
+    assert source.step_range() == (211, 310)
+    replayed = source.read(281, 300)
+    assert len(replayed) == 80 and {r["total"] for r in replayed if r["rank"] == 1} == {2.0}
+    assert {r["total"] for r in replayed if r["rank"] != 1} == {1.0}
+    assert RunDirSource(run, keep_steps=None).step_range() == (1, 310)  # None: all that is on disk
+    assert source.read(5000) == [] and source.read(290, 289) == []
+
+
+def test_trace_and_dashboard_take_keep_steps_and_refuse_a_negative_one(tmp_path, facts, capsys):
+    run = facts.write_run_dir(tmp_path / "run", [_timings(s, r) for s in range(1, 51) for r in range(4)])
+    out = tmp_path / "trace.json"
+    assert main(["trace", "--run-dir", str(run), "--keep-steps", "10", "--steps", "1:50", "-o", str(out)]) == 0
+    steps = {e["args"]["step"] for e in json.loads(out.read_text())["traceEvents"] if "step" in e.get("args", {})}
+    assert steps == set(range(41, 51))
+    assert main(["trace", "--run-dir", str(run), "--keep-steps", "0", "--steps", "1:50", "-o", str(out)]) == 0
+    assert {e["args"]["step"] for e in json.loads(out.read_text())["traceEvents"]
+            if "step" in e.get("args", {})} == set(range(1, 51))
+    assert main(["trace", "--run-dir", str(run), "--keep-steps", "-1", "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --keep-steps must be 0 (all) or more"
+
+
 def test_the_drivers_store_keeps_what_the_job_config_says(tmp_path, real_run):
     cfg = from_dict({"logging": {"timings_keep_steps": 1000, "timings_keep_days": 7}})
     telemetry = Telemetry(SimpleNamespace(job="kept"), cfg, "127.0.0.1:1", str(tmp_path))  # its threads not started
