@@ -78,3 +78,14 @@ def test_a_first_read_during_a_rollover_takes_the_part_once(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2}\n')
     os.link(path, rolled(path))  # as if the file opened for reading had just been renamed to its earlier part
     assert _steps(LineFollower().read(path)) == [1, 2]
+
+
+def test_the_timings_tail_skips_lines_that_are_no_timings_record_whatever_json_they_hold(tmp_path):
+    from megascale.common.messages import JsonlTail
+
+    record = {"step": 7, "rank": 0, "tp": 0, "pp": 0, "dp": 0, "start": 1.0, "total": 0.5, "segments": {}}
+    path = tmp_path / "timings-rank0.jsonl"
+    # a number, a list, a string, null, half a line of JSON, an object that is no record: a stray `5` crashed it
+    path.write_text("5\n[]\n\"x\"\nnull\n{\"step\": \n{\"step\": 1}\n" + json.dumps(record) + "\n"
+                    + json.dumps({"step": 7, "loss": 1.0, "timings": record}) + "\n")
+    assert JsonlTail().read([path]) == [record, record]
