@@ -73,23 +73,26 @@ class RunDirSource:
 
     def _refresh(self) -> None:
         with self._lock:
+            batches = []
             for path in self.timing_files():
                 lines = self._lines.read(path)
                 for at in range(0, len(lines), _CHUNK_LINES):
                     records = [r for line in lines[at:at + _CHUNK_LINES] if (r := timings_line(line)) is not None]
                     if records:
-                        self._add(to_table(records))
+                        batches.append(to_table(records))
+            if batches:  # merged once: every rank's file covers the same steps
+                self._add(pa.concat_tables(batches))
 
     def _add(self, batch: pa.Table) -> None:
-        """Merges `batch` in: only the held rows from its first step on are sorted again (the ranks' files are
-        read one after another, and a resumed run replays steps); the newest row of a (step, rank) wins."""
+        """Merges `batch` in: only the held rows from its first step on are sorted again (a resumed run replays
+        steps); the newest row of a (step, rank) wins."""
         held, steps = self._table, self._table["step"].to_numpy()
         cut = int(np.searchsorted(steps, pc.min(batch["step"]).as_py(), side="left"))
         table = pa.concat_tables([held.slice(0, cut), dedupe(pa.concat_tables([held.slice(cut), batch]))])
         if self.keep_steps is not None:
             steps = table["step"].to_numpy()
             table = table.slice(int(np.searchsorted(steps, steps[-1] - self.keep_steps, side="right")))
-        self._table = table.combine_chunks() if table["step"].num_chunks > 32 else table
+        self._table = table.combine_chunks() if table["step"].num_chunks > 8 else table
 
     def step_range(self) -> Optional[tuple[int, int]]:
         self._refresh()
