@@ -60,7 +60,7 @@ def test_report_says_why_when_megatron_is_missing_or_math_differs(monkeypatch, c
         return {"tokens_per_s": 100.0 if impl == "megascale" else 80.0, "step0_loss": 7.0}
 
     monkeypatch.setattr(peers, "measure", fake_measure)
-    report = peers.run(argparse.Namespace(quick=True))
+    report = peers.run(argparse.Namespace(quick=True, link_gbit=2.0))
     assert "pip install -e '.[peers]'" in capsys.readouterr().err
     for key in ("tokens_per_s", "speedup_vs_torch_native", "speedup_vs_megatron_core", "step0_loss", "why"):
         assert key in report
