@@ -20,6 +20,7 @@ import redis
 
 from megascale.common.auth import SecretsError, redacted
 from megascale.common.errors import first_line
+from megascale.common.typed import positive_number
 from megascale.config import load_config
 
 from .chaos import ALIASES, KINDS
@@ -79,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         (("--factor",), dict(type=float, default=2.0, help="slow-rank: times slower (default 2; 1 ends it)")),
         (("--for",), dict(dest="duration_s", type=float, metavar="S",
                           help="slow-rank, link-down: seconds it lasts (default: until the job ends)")),
-        (("--gbit",), dict(type=float, help="slow-link: the node's new link rate, Gbit/s each way")))
+        (("--gbit",), dict(type=positive_number, help="slow-link: the node's new link rate, Gbit/s each way")))
     add("logs", "print a job's logs (driver and nodes)", _logs, job,
         (("--node",), dict(help="only this node's executor and ranks")),
         (("--follow", "-f"), dict(action="store_true", help="keep printing as the logs grow")))

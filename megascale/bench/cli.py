@@ -8,6 +8,7 @@ import signal
 import sys
 
 from megascale.bench import BENCHMARKS, BenchFailed
+from megascale.common.typed import positive_number
 from megascale.config import ClusterConfig
 
 
@@ -31,20 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-reference", action="store_true",
                        help="soak: skip the uninterrupted run its losses are compared with (it takes about 0.6x "
                             "the soak's minutes again); loss_equal_to_uninterrupted is then null")
-    bench.add_argument("--link-gbit", type=_positive, default=ClusterConfig.link_gbit, metavar="GBIT",
+    bench.add_argument("--link-gbit", type=positive_number, default=ClusterConfig.link_gbit, metavar="GBIT",
                        help="overlap, peers: each emulated node's link rate (default: cluster.link_gbit's, "
                             "%(default)s)")
     bench.set_defaults(func=_bench)
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:  # nan too
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
 
 
 def _bench(args: argparse.Namespace) -> int:

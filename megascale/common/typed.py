@@ -15,11 +15,13 @@ or booleans, read as text: environment-style mappings, where YAML's `NCCL_IB_TIM
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import functools
 import itertools
 import keyword
+import math
 import types
 import typing
 from typing import Any, Callable, Literal, TypeVar, Union
@@ -369,3 +371,14 @@ def schema(hint: Any) -> dict:
         found = {"type": "array", "items": schema(args[0])}
         return {**found, "minItems": len(args), "maxItems": len(args)} if fixed else found
     raise TypeError(f"typed: no schema for {hint}")  # a new field type: teach this module
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (`nan` and `inf` would reach tc's rate as garbage)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value

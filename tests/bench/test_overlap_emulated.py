@@ -66,9 +66,19 @@ def test_the_link_rate_is_cluster_link_gbit_s_default_unless_given_and_a_bad_one
     monkeypatch.setattr(overlap, "run", lambda args: seen.append(args.link_gbit) or {"link_gbit": args.link_gbit})
     assert cli.main(["bench", "overlap", "--json"]) == 0 and cli.main(["bench", "overlap", "--link-gbit", "0.5"]) == 0
     assert seen == [ClusterConfig.link_gbit, 0.5] and ClusterConfig.link_gbit == 2.0
-    for bad in ("0", "-1", "nan", "fast"):
+    for bad in ("0", "-1", "nan", "inf", "fast"):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["bench", "overlap", "--link-gbit", bad])
         assert exit_.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1] == \
             f"megascale bench: error: argument --link-gbit: '{bad}' is not a positive number"
+
+
+def test_chaos_slow_link_refuses_a_rate_that_is_no_positive_number_in_one_line(capsys):
+    from megascale import cli
+
+    with pytest.raises(SystemExit) as exit_:  # `nan` reached tc's rate as int(nan * 1e9): a ValueError traceback
+        cli.main(["chaos", "some-job", "slow-link", "--node", "n1", "--gbit", "nan"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == ("megascale chaos: argument --gbit: 'nan' is not a positive number "
+                                               "(see megascale chaos --help)")
