@@ -164,10 +164,12 @@ class Soak:
                     cmdline = p.cmdline()
                     if not cmdline:  # a zombie between its exit and its parent's wait
                         continue
-                    threads = p.num_threads()
+                    threads, memory = p.num_threads(), p.memory_info()
+                    # anon: RSS less its file-backed and shared-memory pages (libraries, the loader's ring,
+                    # checkpoint segments), which come and go as they are touched; a leak grows here
                     processes[life_key(p.pid, p.create_time(), cmdline, threads)] = {
-                        "kind": process_kind(cmdline), "rss_mb": p.memory_info().rss / 2**20, "fds": p.num_fds(),
-                        "threads": threads}
+                        "kind": process_kind(cmdline), "rss_mb": memory.rss / 2**20,
+                        "anon_mb": (memory.rss - memory.shared) / 2**20, "fds": p.num_fds(), "threads": threads}
             except psutil.Error:
                 continue
         out = {"time": time.time(), "processes": processes, "shm_segments": len(os.listdir("/dev/shm"))}
@@ -416,7 +418,8 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
     span = soak.samples[-1]["time"] - soak.samples[0]["time"] if soak.samples else 0.0
     after = 300.0 if span >= 600 else 60.0  # slopes after the first 5 minutes (1 in a short run)
     lived = 600.0 if span >= 600 else 60.0  # ... of processes sampled this long after their own first `after`
-    per_process = {name: process_slopes(soak.samples, name, after, lived) for name in ("rss_mb", "fds", "threads")}
+    per_process = {name: process_slopes(soak.samples, name, after, lived)
+                   for name in ("rss_mb", "anon_mb", "fds", "threads")}
     return {
         "fault_interval_s": interval,
         "faults": len(injected),
@@ -431,6 +434,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "step_s_median": round(step_s, 3),
         # per process kind, the steepest of any one long-lived process (process_slopes), and how many there were
         "rss_slope_mb_per_hour": {k: v["worst"] for k, v in per_process["rss_mb"].items()},
+        "anon_rss_slope_mb_per_hour": {k: v["worst"] for k, v in per_process["anon_mb"].items()},
         "fds_slope_per_hour": {k: v["worst"] for k, v in per_process["fds"].items()},
         "threads_slope_per_hour": {k: v["worst"] for k, v in per_process["threads"].items()},
         "slope_processes": {k: v["processes"] for k, v in per_process["rss_mb"].items()},

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 import megascale.bench.soak as soak_module
@@ -113,3 +116,24 @@ def test_without_the_reference_run_the_losses_are_not_compared_and_none_is_start
     monkeypatch.setattr(soak_module, "reference_losses", no_reference)
     metrics, losses = soak_module.losses_against_uninterrupted(soak, compare=False)
     assert len(metrics) == 3 and losses["loss_equal_to_uninterrupted"] is None and losses["loss_steps_compared"] == 0
+
+
+def test_a_sample_counts_shared_pages_in_rss_but_not_in_anon():
+    """A rank's RSS also holds pages it shares (the loader's ring, checkpoint segments, libraries), which come
+    and go as they are touched; `anon_mb` is what the process alone holds, where a leak grows."""
+    holds_shared = ("import mmap, sys\n"
+                    "ring = mmap.mmap(-1, 64 << 20)\n"  # MAP_SHARED: shared memory, as a memfd ring is
+                    "ring.write(b'x' * (64 << 20))\n"
+                    "print('ready', flush=True)\n"
+                    "sys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", holds_shared], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        soak = soak_module.Soak.__new__(soak_module.Soak)  # only sample(): no job, no store
+        soak.processes = lambda: [psutil.Process(child.pid)]
+        (use,) = soak.sample()["processes"].values()
+        assert use["rss_mb"] - use["anon_mb"] >= 64
+        assert use["anon_mb"] < 64
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
