@@ -8,7 +8,7 @@ import signal
 import sys
 
 from megascale.bench import BENCHMARKS, BenchFailed
-from megascale.common.typed import positive_number
+from megascale.common.typed import non_negative_number, positive_number
 from megascale.config import ClusterConfig
 
 
@@ -19,13 +19,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--quick", action="store_true", help="smaller sizes (for smoke tests)")
     bench.add_argument("--real", action="store_true",
                        help="recovery: real GPT ranks in the main example's shape, one fault of each kind")
-    bench.add_argument("--fault-interval", type=float, default=0.0, metavar="S",
+    bench.add_argument("--fault-interval", type=non_negative_number, default=0.0, metavar="S",
                        help="recovery: seconds from one injected fault to the next (0 = 1 s after each recovery); "
                             "soak: the mean interval (0 = 120 s, 30 s with --quick)")
     bench.add_argument("--faults", type=int, default=0, metavar="N",
                        help="recovery (stand-in ranks): inject N faults, cycling through the kinds (0 = each once), "
                             "and report the driver's memory growth per 100 recoveries")
-    bench.add_argument("--minutes", type=float, default=0.0, metavar="N",
+    bench.add_argument("--minutes", type=non_negative_number, default=0.0, metavar="N",
                        help="soak: how long to run (0 = 30 minutes, 3 with --quick)")
     bench.add_argument("--samples", metavar="FILE",
                        help="soak: also write the raw samples its slopes and drift were fitted from (JSON)")

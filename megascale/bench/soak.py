@@ -47,6 +47,7 @@ from megascale.driver.recovery.timings import recovered, recoveries_after
 from megascale.driver.state import JobState, JobStore
 
 JOB = "bench-soak"
+STOP_TIMEOUT_S = 150.0  # `megascale stop` waits up to 90 s for a job to end
 # kill-driver last: the driver's first life then spans most of a 30-minute run, long enough to fit its slope
 FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
           "kill-redis", "restart-broker", "slow-rank", "nan-loss", "kill-driver")
@@ -297,18 +298,31 @@ def launched_job(root: Path, rng: random.Random, bench: str) -> Iterator[Soak]:
     path.write_text(yaml.safe_dump(job_config(root, steps=1_000_000)))
     env = {**os.environ, "MEGASCALE_HOME": str(root / "home")}
     os.environ["MEGASCALE_HOME"] = env["MEGASCALE_HOME"]  # JobHandle.load reads it here
-    launched = subprocess.run([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env,
-                              capture_output=True, text=True, timeout=120)
-    if launched.returncode:
-        raise SystemExit(f"megascale bench {bench}: {(launched.stderr.strip() or 'launch failed').splitlines()[-1]}")
-    soak = Soak(root, rng, env)
+    launch = subprocess.Popen([sys.executable, "-m", "megascale.cli", "launch", str(path)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        yield soak
+        try:
+            _, err = launch.communicate(timeout=120)
+        except BaseException:  # a kill (SIGTERM) or the timeout: a launch cut short would leave its job unstopped
+            _finish(launch)
+            raise
+        if launch.returncode:
+            raise SystemExit(f"megascale bench {bench}: {(err.strip() or 'launch failed').splitlines()[-1]}")
+        yield Soak(root, rng, env)
     finally:
-        soak.store.set_desired("stopped")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (JobHandle.load(JOB) or soak.handle).final:
-            time.sleep(0.5)
+        if JobHandle.load(JOB) is not None:  # `megascale stop`: waits for the job's end, also one half-started
+            subprocess.run([sys.executable, "-m", "megascale.cli", "stop", JOB], env=env, capture_output=True,
+                           timeout=STOP_TIMEOUT_S)
+
+
+def _finish(launch: subprocess.Popen) -> None:
+    """Lets a launch that was interrupted write its job's handle (so that the job can be stopped); killed if
+    it does not end within a minute."""
+    try:
+        launch.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        launch.kill()
+        launch.communicate()
 
 
 def losses_against_uninterrupted(soak: Soak, compare: bool = True) -> tuple[list[dict], dict]:

@@ -373,12 +373,21 @@ def schema(hint: Any) -> dict:
     raise TypeError(f"typed: no schema for {hint}")  # a new field type: teach this module
 
 
-def positive_number(text: str) -> float:
-    """An argparse type: a finite number above 0 (`nan` and `inf` would reach tc's rate as garbage)."""
+def _finite(text: str, lowest: float, inclusive: bool, words: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    if not (lowest <= value if inclusive else lowest < value) or value == math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {words}")
     return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (`nan` and `inf` would reach tc's rate as garbage)."""
+    return _finite(text, 0.0, False, "a positive number")
+
+
+def non_negative_number(text: str) -> float:
+    """An argparse type: a finite number, 0 or more (where 0 means a default: `nan` must not pass as one)."""
+    return _finite(text, 0.0, True, "a number >= 0")

@@ -137,3 +137,19 @@ def test_a_sample_counts_shared_pages_in_rss_but_not_in_anon():
     finally:
         child.stdin.close()
         child.wait(timeout=10)
+
+
+def test_minutes_and_fault_interval_refuse_nan_inf_and_negatives_in_one_line(capsys, monkeypatch):
+    from megascale import cli
+
+    seen = []  # `--minutes nan` passed the `<= 0` check and started a 30-minute soak
+    monkeypatch.setattr(soak_module, "run", lambda args: seen.append((args.minutes, args.fault_interval)) or {})
+    assert cli.main(["bench", "soak", "--minutes", "0", "--fault-interval", "2.5"]) == 0
+    assert seen == [(0.0, 2.5)]  # 0 = the default
+    for flag in ("--minutes", "--fault-interval"):
+        for bad in ("-1", "nan", "inf", "soon"):
+            with pytest.raises(SystemExit) as exit_:
+                cli.main(["bench", "soak", flag, bad])
+            assert exit_.value.code == 2
+            assert capsys.readouterr().err.splitlines()[-1] == \
+                f"megascale bench: error: argument {flag}: '{bad}' is not a number >= 0"
