@@ -373,21 +373,21 @@ def schema(hint: Any) -> dict:
     raise TypeError(f"typed: no schema for {hint}")  # a new field type: teach this module
 
 
-def _finite(text: str, lowest: float, inclusive: bool, words: str) -> float:
+def _finite_number(text: str, zero_allowed: bool, words: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (lowest <= value if inclusive else lowest < value) or value == math.inf:
+    if not (0 <= value if zero_allowed else 0 < value) or value == math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not {words}")
     return value
 
 
 def positive_number(text: str) -> float:
     """An argparse type: a finite number above 0 (`nan` and `inf` would reach tc's rate as garbage)."""
-    return _finite(text, 0.0, False, "a positive number")
+    return _finite_number(text, False, "a positive number")
 
 
 def non_negative_number(text: str) -> float:
     """An argparse type: a finite number, 0 or more (where 0 means a default: `nan` must not pass as one)."""
-    return _finite(text, 0.0, True, "a number >= 0")
+    return _finite_number(text, True, "a number >= 0")
