@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import numpy as np
 import psutil
 import yaml
 from kafka import KafkaConsumer, TopicPartition
 
 import megascale.data
 from megascale.bench import BenchFailed
+from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
@@ -208,68 +208,6 @@ def life_key(pid: int, created: float, cmdline: list[str], threads: int) -> str:
     its groups' threads and opens their sockets, a step up that a fit across both would count as a leak."""
     waiting = "--standby" in cmdline and threads == 1
     return f"{pid}@{created:.2f}" + ("/standby" if waiting else "")
-
-
-def lost_seconds(progress: list[tuple[float, int]], injected: float, step_s: float) -> Optional[float]:
-    """From the injection until the step passes the highest step reached before it, less those steps' time."""
-    before = max((s for t, s in progress if t <= injected), default=0)
-    back = next(((t, s) for t, s in progress if t > injected and s > before), None)
-    if back is None:
-        return None
-    return round(max(0.0, back[0] - injected - (back[1] - before) * step_s), 2)
-
-
-def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float) -> Optional[float]:
-    start = samples[0]["time"] if samples else 0
-    points = [(s["time"] - start, v) for s in samples if s["time"] - start >= after_s
-              and (v := value(s)) is not None]
-    if len(points) < 3:
-        return None
-    t, v = np.array(points).T
-    return round(float(np.polyfit(t / 3600.0, v, 1)[0]), 2)
-
-
-def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float) -> dict[str, dict]:
-    """Per process kind, the steepest per-hour slope of `field` of any one process, fitted over its samples
-    after its own first `after_s` (its warm-up), and how many processes were sampled for `min_span_s` or more
-    after that. Summing a kind's processes instead counts those that faults start and end as leaks."""
-    lives: dict[str, list[dict]] = {}
-    for sample in samples:
-        for key, proc in sample.get("processes", {}).items():
-            lives.setdefault(key, []).append({"time": sample["time"], **proc})
-    out: dict[str, dict] = {}
-    for life in lives.values():
-        kind = out.setdefault(life[0]["kind"], {"worst": None, "processes": 0})
-        if life[-1]["time"] - life[0]["time"] - after_s < min_span_s:
-            continue
-        slope = slope_per_hour(life, lambda s: s[field], after_s)
-        if slope is not None:
-            kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
-            kind["processes"] += 1
-    return dict(sorted(out.items()))
-
-
-def step_time_drift(metrics: list[dict], warmup: int = 5,
-                    disturbed: tuple[tuple[float, float], ...] = ()) -> list[float]:
-    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
-    leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
-    steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is
-    for what builds up (garbage collection, leaks), not for what a fault does at once."""
-    runs, current = [], []
-    for m in metrics:
-        if current and m["step"] != current[-1]["step"] + 1:
-            runs.append(current)
-            current = []
-        current.append(m)
-    runs.append(current)
-    drifts = []
-    for run in runs:
-        times = [m["step_time"] for m in run[warmup:]
-                 if not any(lo <= m.get("timings", {}).get("start", -1.0) < hi for lo, hi in disturbed)]
-        if len(times) >= 50:
-            tenth = len(times) // 10
-            drifts.append(round(statistics.median(times[-tenth:]) / statistics.median(times[:tenth]), 3))
-    return drifts
 
 
 def leftovers(root: Path, shm_before: set[str], tmp_before: set[str]) -> dict[str, int]:

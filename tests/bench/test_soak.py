@@ -1,4 +1,5 @@
-"""`megascale bench soak`'s arithmetic: lost time per fault, step-time drift per incarnation, leak slopes.
+"""`megascale bench soak`'s arithmetic (soak_fits: lost time per fault, step-time drift per incarnation, leak
+slopes) and its sampling.
 (The soak itself runs for minutes with 8 real ranks: a command, recorded in BENCHMARKS.md, not a test.)"""
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 
 import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
-from megascale.bench.soak import (life_key, lost_seconds, process_kind, process_slopes, run, save_samples,
-                                  slope_per_hour, step_time_drift)
+from megascale.bench.soak import life_key, process_kind, run, save_samples
+from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
