@@ -9,6 +9,7 @@ file the reporting rank reads; `link-down` and `slow-link` change a node's link 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -146,7 +147,7 @@ def _slow_rank(store: JobStore, node: Optional[str], rank: Optional[int], factor
     cfg = from_dict(rec.config)
     if rank is None or not 0 <= rank < cfg.parallelism.world_size:
         raise ChaosError(f"slow-rank: --rank must name one of the job's ranks 0..{cfg.parallelism.world_size - 1}")
-    if factor < 1 or duration_s is not None and duration_s <= 0:
+    if not 1 <= factor < math.inf or duration_s is not None and not 0 < duration_s < math.inf:  # nan too
         raise ChaosError("slow-rank: --factor must be at least 1 (1 ends a slow-down) and --for above 0")
     slot = next((s for s in rec.slots("active") if s.index == rank // cfg.ranks_per_node), None)
     if slot is None:
@@ -205,12 +206,12 @@ def _link(store: JobStore, kind: str, node: str, duration_s: Optional[float], gb
         raise ChaosError(f"{kind}: job {store.job} has no node {node!r} on its network now")
     try:
         if kind == "slow-link":
-            if gbit is None or gbit <= 0:
+            if gbit is None or not 0 < gbit < math.inf:
                 raise ChaosError("slow-link: --gbit must be above 0")
             store.record_chaos(kind, node, {"gbit": gbit})
             netemu.set_rate(net, node, gbit)
             return f"{node}'s link runs at {gbit:g} Gbit/s each way"
-        if duration_s is not None and duration_s <= 0:
+        if duration_s is not None and not 0 < duration_s < math.inf:
             raise ChaosError("link-down: --for must be above 0")
         store.record_chaos(kind, node, {"for_s": duration_s})
         netemu.set_link(net, node, up=False)

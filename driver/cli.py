@@ -77,8 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         (("--rank",), dict(type=int, help="global rank (default: the node's first; slow-rank: required)")),
         (("--count",), dict(type=int, default=0,
                             help="crash-loop: stop after this many kills (0 = until the job ends)")),
-        (("--factor",), dict(type=float, default=2.0, help="slow-rank: times slower (default 2; 1 ends it)")),
-        (("--for",), dict(dest="duration_s", type=float, metavar="S",
+        (("--factor",), dict(type=positive_number, default=2.0,
+                             help="slow-rank: times slower (default 2; 1 ends it)")),
+        (("--for",), dict(dest="duration_s", type=positive_number, metavar="S",
                           help="slow-rank, link-down: seconds it lasts (default: until the job ends)")),
         (("--gbit",), dict(type=positive_number, help="slow-link: the node's new link rate, Gbit/s each way")))
     add("logs", "print a job's logs (driver and nodes)", _logs, job,

@@ -82,3 +82,16 @@ def test_chaos_slow_link_refuses_a_rate_that_is_no_positive_number_in_one_line(c
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip() == ("megascale chaos: argument --gbit: 'nan' is not a positive number "
                                                "(see megascale chaos --help)")
+
+
+def test_chaos_slow_rank_and_link_down_refuse_nan_and_inf_in_one_line(capsys):
+    from megascale import cli
+
+    for argv in (["slow-rank", "--rank", "1", "--factor", "nan"], ["slow-rank", "--rank", "1", "--for", "inf"],
+                 ["link-down", "--node", "n1", "--for", "nan"]):
+        flag, bad = argv[-2:]  # nan passed `factor < 1` and `duration <= 0`: a NaN slow-down, a NaN deadline
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["chaos", "some-job", *argv])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip() == (f"megascale chaos: argument {flag}: '{bad}' is not a positive "
+                                                   "number (see megascale chaos --help)")
