@@ -61,7 +61,8 @@ def test_no_spare_waits_paused_until_a_spare_is_added(tmp_path, capsys, wait):
     job = launch(capsys, str(path), "rc-short")
     wait(lambda: (job.status().get("step") or 0) >= 5, 60, "training progress")
     cli(capsys, "chaos", "rc-short", "kill-node", "--node", "n1")
-    wait(lambda: job.state() == JobState.PAUSED, 30, "the job to wait for capacity")
+    # the status the driver publishes, not its record: the status is written just after the record changes
+    wait(lambda: job.status().get("state") == JobState.PAUSED.value, 30, "the job to wait for capacity")
     status = job.status()
     assert "waiting for capacity: 1 node(s) short and no spare left" in status["reason"], status
     assert "`megascale spares rc-short 1`" in status["reason"], status
