@@ -42,7 +42,7 @@ from megascale.common.messages import (
 )
 
 from . import log
-from .host import host_metrics, identity
+from .host import halted_state, host_metrics, identity
 from megascale.common.rankspec import RankSpec
 from megascale.config import ControlConfig
 from megascale.common.comm_env import comm_env
@@ -300,6 +300,9 @@ class Executor:
         if self.group is None or self.run_dir is None:
             return True, json.dumps({})
         last, out = int(args.get("last", 64)), {}
+        halted = {str(p.rank): state for p in self.group.procs if p.running and (state := halted_state(p.proc.pid))}
+        if halted:
+            out["halted"] = halted
         for p in self.group.procs:
             if not p.running:  # its recorder, if any, is an earlier incarnation's: the driver would blame stale ops
                 out[str(p.rank)] = {"error": f"rank {p.rank} has no process group in this incarnation yet"}

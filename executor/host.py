@@ -36,3 +36,19 @@ def host_metrics() -> HostMetrics:
         net_errors=(net.errin + net.errout) if net else 0,
         net_drops=(net.dropin + net.dropout) if net else 0,
     )
+
+
+# psutil's states of a process that cannot make progress whatever its peers do.
+HALTED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def halted_state(pid: int) -> str:
+    """The OS's word that a process is stopped (SIGSTOP, a debugger) or gone, else "": a rank stopped inside
+    a collective has entered it like its waiting peers, so its flight records alone cannot name it."""
+    try:
+        state = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return psutil.STATUS_DEAD
+    except psutil.Error:
+        return ""
+    return state if state in HALTED_STATES else ""
