@@ -31,7 +31,6 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Optional
 
-from megascale.common.heap import trim_heap
 from megascale.common.lifetime import die_with_parent
 from megascale.common.rankspec import Progress, RankSpec
 
@@ -255,7 +254,19 @@ def release() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    trim_heap()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Returns freed heap memory to the system: glibc keeps it in its arenas for reuse, and in-process
+    incarnations reuse little of it. A 2-rank job of a 3.4M-parameter model grew each rank from 279 to
+    526 MB over 6 incarnations without this, from 179 to 229 MB over 14 with it. Not glibc: nothing to do."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class FreshState:
