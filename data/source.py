@@ -307,12 +307,14 @@ def make_batch_source(
     global_rank: int,
     ranks_per_node: int | None = None,
     run_dir: str | os.PathLike,
+    job_dir: str | os.PathLike | None = None,
     vocab: int | None = None,
     holdout: float = 0.0,
 ) -> ShardBatchSource | None:
     """This rank's batches for data.source "shards" (a prepared dir) or "text" (prepared into run_dir once).
 
-    Returns None for "synthetic". `ranks_per_node` defaults to the whole world on one machine;
+    Returns None for "synthetic". `ranks_per_node` defaults to the whole world on one machine; `job_dir`
+    (this run's own directory; default `run_dir`) names the node loaders' sockets, one per run and node;
     `vocab` (the model's) is checked against the tokenizer, and sizes the BPE for "text"; `holdout`
     (eval.split) is the share of documents kept out of training for validation.
     """
@@ -341,8 +343,8 @@ def make_batch_source(
     cfg = LoaderConfig(
         dataset=str(ds.root.resolve()), dataset_fingerprint=ds.fingerprint, seed=seed, window=stream.window,
         seq=seq, rows=rows, batch_sequences=dp_size * rows, depth=depth, local_dps=plan.local_dps,
-        consumers=plan.consumers, socket=socket_name(str(run_dir), plan.node), connect_timeout=CONNECT_TIMEOUT_S,
-        holdout=holdout,
+        consumers=plan.consumers, socket=socket_name(str(job_dir or run_dir), plan.node),
+        connect_timeout=CONNECT_TIMEOUT_S, holdout=holdout,
     )
     return ShardBatchSource(ds, stream, cfg, dp_rank=dp_rank, global_rank=global_rank, node=plan.node,
                             consumer=global_rank in plan.consumers, leader=global_rank == plan.leader)
