@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import redis
 
@@ -181,7 +184,8 @@ def test_a_step_older_than_hang_after_s_is_heartbeated_at_once(redis_server, bro
 
 def test_flight_records_come_only_from_ranks_whose_process_group_is_up_in_this_incarnation(tmp_path):
     """A rank still in its rendezvous has written nothing this incarnation: its recorder file is an earlier
-    one's, and the driver's localisation would blame the operations it was in then."""
+    one's, and the driver's localisation would blame the operations it was in then. A rank process the OS
+    shows stopped is named as such beside its records (it may have stopped inside the operation)."""
     from types import SimpleNamespace
 
     from megascale.executor.daemon import Executor
@@ -191,14 +195,27 @@ def test_flight_records_come_only_from_ranks_whose_process_group_is_up_in_this_i
     recorder = FlightRecorder(tmp_path / "flight-rank0.bin")
     recorder.begin("all_reduce", "tp:0", 2)
     recorder.close()
-    procs = [RankProcess(rank, rank, None, tmp_path / "log", tmp_path / "progress", running=up)
-             for rank, up in ((0, True), (1, False))]
-    executor = Executor.__new__(Executor)
-    executor.group, executor.run_dir = SimpleNamespace(procs=procs), tmp_path
-    ok, detail = executor._flight({"last": 8})
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        procs = [RankProcess(rank, rank, child, tmp_path / "log", tmp_path / "progress", running=up)
+                 for rank, up, child in ((0, True, children[0]), (1, False, children[1]))]
+        executor = Executor.__new__(Executor)
+        executor.group, executor.run_dir = SimpleNamespace(procs=procs), tmp_path
+        assert "halted" not in json.loads(executor._flight({"last": 8})[1])
+        for child in children:
+            os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.time() + 5
+        while "halted" not in json.loads(executor._flight({"last": 8})[1]) and time.time() < deadline:
+            time.sleep(0.05)
+        ok, detail = executor._flight({"last": 8})
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
     records = json.loads(detail)
     assert ok and [r["op"] for r in records["0"]] == ["all_reduce"]
     assert records["1"] == {"error": "rank 1 has no process group in this incarnation yet"}
+    assert records["halted"] == {"0": "stopped"}  # rank 1 is in no operation of this incarnation
 
 
 def test_heartbeats_travel_gzipped(redis_server, broker, tmp_path):
