@@ -299,19 +299,20 @@ class Executor:
 
         if self.group is None or self.run_dir is None:
             return True, json.dumps({})
-        last, out = int(args.get("last", 64)), {}
-        halted = {str(p.rank): state for p in self.group.procs if p.running and (state := halted_state(p.proc.pid))}
-        if halted:
-            out["halted"] = halted
+        last, out, halted = int(args.get("last", 64)), {}, {}
         for p in self.group.procs:
             if not p.running:  # its recorder, if any, is an earlier incarnation's: the driver would blame stale ops
                 out[str(p.rank)] = {"error": f"rank {p.rank} has no process group in this incarnation yet"}
                 continue
+            if state := halted_state(p.proc.pid):
+                halted[str(p.rank)] = state
             try:
                 out[str(p.rank)] = [dataclasses.asdict(r)
                                     for r in read_records(self.run_dir / f"flight-rank{p.rank}.bin")[-last:]]
             except (OSError, ValueError) as e:  # no recorder (stand-in rank) or half-written: say so, keep the rest
                 out[str(p.rank)] = {"error": first_line(e)}
+        if halted:
+            out["halted"] = halted
         return True, json.dumps(out)
 
     def _exit(self, args: dict) -> tuple[bool, str]:

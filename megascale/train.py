@@ -61,12 +61,11 @@ def learning_rate(cfg: JobConfig, step: int) -> float:
     return opt.lr * (sched.min_lr_ratio + (1 - sched.min_lr_ratio) * shape)
 
 
-def make_source(cfg: JobConfig, ctx: ParallelContext, ranks_per_node: Optional[int] = None,
-                run_dir: Optional[str] = None) -> BatchSource:
-    """The job's data: synthetic, or token shards served by one loader process per node (of
-    `ranks_per_node` ranks, by default the job's cluster.ranks_per_node: each node, a machine or a pod or a
-    network namespace of its own, starts its own). `run_dir`, this run's own directory, names the loaders'
-    sockets apart from any other run's on the machine (without it: train.run_dir, which runs may share)."""
+def make_source(cfg: JobConfig, ctx: ParallelContext, run_dir: Optional[str] = None) -> BatchSource:
+    """The job's data: synthetic, or token shards served by one loader process per node (of the job's
+    cluster.ranks_per_node ranks: each node, a machine or a pod or a network namespace of its own, starts its
+    own). `run_dir`, this run's own directory, names the loaders' sockets apart from any other run's on the
+    machine (without it: train.run_dir, which runs may share)."""
     if cfg.data.source == "synthetic":
         return SyntheticSource(vocab=cfg.model.vocab, seq=cfg.model.seq, global_batch=cfg.batch.global_,
                                dp_rank=ctx.dp.rank, dp_size=ctx.dp.size, seed=cfg.data.seed)
@@ -75,7 +74,7 @@ def make_source(cfg: JobConfig, ctx: ParallelContext, ranks_per_node: Optional[i
     return make_batch_source(cfg.data, seq=cfg.model.seq, micro=cfg.batch.micro, microbatches=cfg.microbatches,
                              dp_rank=ctx.dp.rank, dp_size=ctx.dp.size, tp_rank=ctx.tp.rank, tp_size=ctx.tp.size,
                              pp_rank=ctx.pp.rank, pp_size=ctx.pp.size, global_rank=ctx.rank,
-                             ranks_per_node=ranks_per_node or cfg.ranks_per_node, run_dir=cfg.train.run_dir,
+                             ranks_per_node=cfg.ranks_per_node, run_dir=cfg.train.run_dir,
                              job_dir=run_dir, vocab=cfg.model.vocab, holdout=cfg.eval.split)
 
 
@@ -86,11 +85,11 @@ def split_microbatches(batch: torch.Tensor, count: int, device: torch.device) ->
 
 class Trainer:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, source: Optional[BatchSource] = None,
-                 ranks_per_node: Optional[int] = None, run_dir: Optional[str] = None):
-        self.cfg, self.ctx, self.ranks_per_node, self.run_dir = cfg, ctx, ranks_per_node, run_dir
+                 run_dir: Optional[str] = None):
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.chunks, self.optimizer = parallelize(self._meta_model(), ctx, cfg)
         self.dtype = compute_dtype(cfg, ctx.device)
-        self.source = source or make_source(cfg, ctx, ranks_per_node, run_dir)
+        self.source = source or make_source(cfg, ctx, run_dir)
         self.step_index = 0
         seq = cfg.model.seq // ctx.tp.size if ctx.sequence_parallel else cfg.model.seq
         self.activation_shape = (cfg.batch.micro, seq, cfg.model.hidden)
@@ -175,7 +174,7 @@ class Trainer:
         """Into the next incarnation (same rank and layout): its process groups and a new data source. The
         weights are the last incarnation's until a restore (or `reinitialize`) replaces them."""
         self.ctx.rebind(ctx)
-        self.source = make_source(self.cfg, self.ctx, self.ranks_per_node, self.run_dir)
+        self.source = make_source(self.cfg, self.ctx, self.run_dir)
         self.step_index = 0
         self._freeze_gc()
 
