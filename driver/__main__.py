@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
+import redis
+
+from megascale.common.auth import SECRETS_ENV, redacted
 from megascale.common.processes import pid_alive
 
+from . import log
 from .arrow_pool import pool_in_use
 from .reconcile import Driver
 from .state import JobStore
@@ -25,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # reconnect noise during broker restarts
     pool_in_use()
     store = JobStore.from_url(args.redis, args.job)
-    code = Driver(store, args.redis, args.kafka).run()
+    try:
+        code = Driver(store, args.redis, args.kafka).run()
+    except redis.AuthenticationError as e:  # restarting will not help: say why in the log's last line
+        log.error("Redis at %s refuses this job's login from %s (%s): that file is not the one the job "
+                  "started with", redacted(args.redis), os.environ.get(SECRETS_ENV, "no secrets file"), e)
+        return 1
     orphaned = args.supervisor_pid and not pid_alive(args.supervisor_pid)
     if code == 0 and orphaned and (rec := store.load()) and rec.terminal:  # the job ended, nobody else will tidy
         finish_for_supervisor(args.job)

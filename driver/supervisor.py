@@ -8,6 +8,8 @@ outlives `megascale run`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -15,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import redis
 
@@ -33,7 +35,7 @@ from .services import JobHandle, Services, bound_broker_memory, start_services, 
 from .state import TERMINAL, JobRecord, JobState, JobStore, status_view
 
 POLL_S = 0.5
-DRIVER_RESTARTS = 5  # within RESTART_WINDOW_S, then the supervisor gives up
+DRIVER_RESTARTS = 5  # drivers in a row that died within RESTART_WINDOW_S of starting: the supervisor gives up
 RESTART_WINDOW_S = 60.0
 STOP_WAIT_S = 60.0
 EXIT_CODES = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.STOPPED: 3}
@@ -49,10 +51,11 @@ class Supervisor:
         self.job = cfg.name
         self.driver: Optional[subprocess.Popen] = None
         self._signals = 0
-        self._driver_starts: list[float] = []
+        self._driver_started = 0.0  # monotonic
+        self._short_lives = 0  # drivers in a row that died within RESTART_WINDOW_S of their start
 
     def run(self, on_status: Optional[Callable[[dict], None]] = None) -> int:
-        with restoring_secrets_env():
+        with claimed(self.job), restoring_secrets_env():
             return self._run(on_status)
 
     def _run(self, on_status: Optional[Callable[[dict], None]]) -> int:
@@ -177,13 +180,17 @@ class Supervisor:
             handle.save()
 
     def _start_driver(self, services: Services, handle: JobHandle, run_dir: str) -> None:
-        if self.driver is not None:
-            log.warning("driver exited with code %s: restarting it", self.driver.returncode)
         now = time.monotonic()
-        self._driver_starts = [t for t in self._driver_starts if now - t < RESTART_WINDOW_S] + [now]
-        if len(self._driver_starts) > DRIVER_RESTARTS:
-            raise SupervisorError(f"driver died {DRIVER_RESTARTS} times within {RESTART_WINDOW_S:.0f} s: "
-                                  f"see {run_dir}/driver.log")
+        if self.driver is not None:
+            # Counted in a row, not per window: a driver failing at start (Redis refusing it, say) can take
+            # longer than RESTART_WINDOW_S / DRIVER_RESTARTS to die, and would be restarted for ever.
+            lived = now - self._driver_started
+            self._short_lives = self._short_lives + 1 if lived < RESTART_WINDOW_S else 0
+            log.warning("driver exited with code %s after %.0f s: restarting it", self.driver.returncode, lived)
+            if self._short_lives >= DRIVER_RESTARTS:
+                raise SupervisorError(f"driver died {DRIVER_RESTARTS} times in a row within {RESTART_WINDOW_S:.0f} s "
+                                      f"of starting, last with: {last_line(Path(run_dir) / 'driver.log')}")
+        self._driver_started = now
         with open(Path(run_dir) / "driver.log", "ab") as out:
             # Own session: a Ctrl-C here must become an orderly stop, not a signal to the driver.
             self.driver = subprocess.Popen([sys.executable, "-m", "megascale.driver", "--job", self.job,
@@ -201,6 +208,29 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame) -> None:
         self._signals += 1
+
+
+@contextlib.contextmanager
+def claimed(job: str) -> Iterator[None]:
+    """Holds the job's name for this process: an exclusive lock on `<job>.lock` beside its handle, which the
+    kernel drops however the process ends. Two `megascale run`s of one name started together both find no
+    live handle (it is written once the services are up), and the second would overwrite the first's secrets
+    and handle: its driver locked out of its own Redis, its job lost to `status` and `stop`."""
+    path = JobHandle.path(job).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise SupervisorError(f"job {job!r} is already being run (pid {holder}): `megascale stop {job}` "
+                                  "first, or rename it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def stop_leftover_nodes(cfg: JobConfig, store: JobStore, redis_url: str, kafka: str, run_dir: str | Path) -> None:
@@ -266,6 +296,15 @@ def _final_status(store: Optional[JobStore]) -> dict:
         return status_view(store.status(), store.load())
     except redis.RedisError:
         return {"state": "Unknown", "reason": "Redis unreachable at exit"}
+
+
+def last_line(log_file: Path) -> str:
+    """The last line a process wrote to its log (where its error is), with the log's name."""
+    try:
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return f"{lines[-1] if lines else '(nothing)'} (see {log_file})"
 
 
 def _line(e: BaseException) -> str:
