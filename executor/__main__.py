@@ -6,8 +6,11 @@ import logging
 import sys
 from pathlib import Path
 
+from . import log
+
 from megascale.config import ControlConfig
 
+from .allocator import AllocatorError, rank_allocator_env
 from .daemon import Executor
 
 
@@ -28,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # its reconnect noise; we log outages once
+    try:
+        rank_allocator_env()  # a bad choice stops the node at once, in one line, and the good one is logged
+    except AllocatorError as e:
+        log.error("%s", e)
+        return 2
     return Executor(args.job, args.node, args.redis, args.kafka, args.work_dir, args.heartbeat_s,
                     args.redis_grace_s, args.standby, args.ranks_per_node).run()
 

@@ -28,6 +28,7 @@ from megascale.common.jsonl import LineFollower
 from megascale.common.messages import ErrorLine, RankState, RankStatus
 
 from . import log
+from .allocator import rank_allocator_env
 from megascale.common.rankspec import RankSpec
 from .standby import Standbys
 
@@ -167,7 +168,8 @@ class RankGroup:
         argv = [sys.executable, entry] if entry else [sys.executable, "-m", "megascale.executor.rank"]
         proc = subprocess.Popen(argv + [str(spec_path)], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.PIPE if self.in_process else subprocess.DEVNULL,
-                                env={**os.environ, **env, **self._rank_env(rank, local_rank, local_world, world_size)})
+                                env={**os.environ, **rank_allocator_env(), **env,
+                                     **self._rank_env(rank, local_rank, local_world, world_size)})
         if proc.stdin is not None:
             os.set_blocking(proc.stdin.fileno(), False)  # a rank that stopped reading never blocks the executor
         log.info("incarnation %d: started rank %d (pid %d)", self.incarnation, rank, proc.pid)

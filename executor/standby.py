@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import log
+from .allocator import rank_allocator_env
 
 
 class Standbys:
@@ -59,7 +60,8 @@ class Standbys:
     def _spawn(self) -> subprocess.Popen:
         with open(self.work_dir / "standby.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "megascale.executor.rank", "--standby"], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                    env={**os.environ, **rank_allocator_env()})
         assert proc.stdin is not None
         os.set_blocking(proc.stdin.fileno(), False)  # as a rank's: a process that stopped reading never blocks
         return proc
