@@ -212,7 +212,9 @@ def _launch(args: argparse.Namespace) -> int:
             return 0
         if proc.poll() is not None:
             lines = log_path.read_text(errors="replace").strip().splitlines()
-            raise CommandError(lines[-1] if lines else f"the job's supervisor exited with code {proc.returncode}")
+            # The supervisor's own one-line error, without its "megascale: " (CommandError adds "megascale launch: ").
+            raise CommandError(lines[-1].removeprefix("megascale: ") if lines
+                               else f"the job's supervisor exited with code {proc.returncode}")
         time.sleep(0.1)
     raise CommandError(f"job {cfg.name} did not come up within {LAUNCH_WAIT_S:.0f} s: see {log_path}")
 

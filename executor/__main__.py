@@ -6,10 +6,9 @@ import logging
 import sys
 from pathlib import Path
 
-from . import log
-
 from megascale.config import ControlConfig
 
+from . import log
 from .allocator import AllocatorError, rank_allocator_env
 from .daemon import Executor
 

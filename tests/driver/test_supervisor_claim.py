@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from control_plane_support import job_yaml
+from megascale.cli import main
 from megascale.config import load_config
 from megascale.driver import supervisor
 from megascale.driver.services import JobHandle
@@ -19,9 +20,9 @@ HOLD = "from megascale.driver.supervisor import claimed\nwith claimed('held'):\n
        "    input()"
 
 
-def test_a_second_run_of_a_claimed_job_stops_before_touching_the_first_ones_secrets(tmp_path, wait):
+def test_a_second_run_of_a_claimed_job_stops_before_touching_the_first_ones_secrets(tmp_path, capsys):
     """The first run holds the name before it writes anything: the second run, started before the first's
-    handle exists, says who holds it and leaves the first run's secrets file as it was."""
+    handle exists, says who holds it and leaves the first run's secrets file as it was; so does `launch`."""
     first = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout.readline() == "held\n"
@@ -31,6 +32,9 @@ def test_a_second_run_of_a_claimed_job_stops_before_touching_the_first_ones_secr
         with pytest.raises(SupervisorError, match=rf"job 'held' is already being run \(pid {first.pid}\)"):
             Supervisor(cfg, "held.yaml").run()
         assert secrets.read_text() == "the first run's" and JobHandle.load("held") is None
+        assert main(["launch", job_yaml(tmp_path, "held", steps=5)]) == 2
+        assert capsys.readouterr().err.strip() == f"megascale launch: job 'held' is already being run (pid " \
+                                                  f"{first.pid}): `megascale stop held` first, or rename it"
         assert not list((tmp_path / "runs").glob("held-*")), "the second run made a run directory"
     finally:
         first.send_signal(signal.SIGKILL)  # the kernel drops the claim of a killed holder
