@@ -57,6 +57,11 @@ class Backend(ABC):
     def log_files(self, node: str) -> list[Path]:
         """Readable logs of a node, executor first, for `megascale logs` (empty if not local files)."""
 
+    def exited_before_reporting(self, nodes: list[str]) -> Optional[str]:
+        """Why one of these nodes, which never reported, never will: its process ended (with what it said last);
+        None while each may still report, or where only a timeout can tell (Kubernetes restarts a pod)."""
+        return None
+
     def why_not_started(self, nodes: list[str]) -> Optional[str]:
         """Why these nodes never reported, when the backend knows better than "no heartbeat" (Kubernetes: pods a
         gang scheduler never placed); None otherwise."""

@@ -25,6 +25,7 @@ import redis
 
 from megascale.common import netemu
 from megascale.common.auth import BadRecord, env_signer
+from megascale.common.processes import last_line
 
 from . import log
 from .backend import Backend, NodeInfo, NodeLaunch
@@ -131,6 +132,14 @@ class LocalBackend(Backend):
 
     def evict(self, node: str) -> None:
         self.stop([node])  # nothing to cordon on one machine; its id is never reused
+
+    def exited_before_reporting(self, nodes: list[str]) -> Optional[str]:
+        for node in nodes:
+            child = self._children.get(node)
+            if child is not None and child.poll() is not None:  # nothing restarts a node before it first reports
+                return (f"node {node}'s executor exited with code {child.returncode} before it reported: "
+                        f"{last_line(self.work_dir(node) / 'executor.log')}")
+        return None
 
     def log_files(self, node: str) -> list[Path]:
         work = self.work_dir(node)

@@ -202,6 +202,8 @@ class Driver:
         missing = [s.node for s in rec.slots("active") if not self.liveness.reporting(s.node)]
         if not missing:
             self.move(rec, JobState.INITIALIZING, "all nodes reported")
+        elif exited := self.backend.exited_before_reporting(missing):  # a bad node setting: no wait for the timeout
+            self.move(rec, JobState.FAILED, exited)
         elif time.time() - rec.entered > self.cfg.control.start_timeout_s:
             # Never a partial start; a gang the scheduler never placed is no node's fault (nothing is evicted).
             unplaced = self.backend.why_not_started(missing)

@@ -29,7 +29,7 @@ from megascale.preflight import absolute_data_path
 from . import log
 from .arrow_pool import driver_environment
 from .backend import NodeLaunch, make_backend
-from megascale.common.processes import stop_process
+from megascale.common.processes import last_line, stop_process
 
 from .services import JobHandle, Services, bound_broker_memory, start_services, stop_service
 from .state import TERMINAL, JobRecord, JobState, JobStore, status_view
@@ -296,15 +296,6 @@ def _final_status(store: Optional[JobStore]) -> dict:
         return status_view(store.status(), store.load())
     except redis.RedisError:
         return {"state": "Unknown", "reason": "Redis unreachable at exit"}
-
-
-def last_line(log_file: Path) -> str:
-    """The last line a process wrote to its log (where its error is), with the log's name."""
-    try:
-        lines = log_file.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        lines = []
-    return f"{lines[-1] if lines else '(nothing)'} (see {log_file})"
 
 
 def _line(e: BaseException) -> str:

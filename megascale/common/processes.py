@@ -1,10 +1,12 @@
 """Process helpers the driver, the executors and the engine's launchers all use: a free local port,
-whether a pid is alive, and stopping a child in order (SIGTERM, then SIGKILL)."""
+whether a pid is alive, stopping a child in order (SIGTERM, then SIGKILL), and the last line a process logged."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
+from pathlib import Path
 from typing import Optional
 
 
@@ -50,3 +52,17 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# The prefix of our processes' log lines ("%(asctime)s %(name)s %(levelname)s "), which a one-line error drops.
+LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ [A-Z]+ ")
+
+
+def last_line(log_file: Path) -> str:
+    """The last line a process wrote to its log (where its error is), without the logging prefix, with the
+    log's name."""
+    try:
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return f"{LOG_PREFIX.sub('', lines[-1]) if lines else '(nothing)'} (see {log_file})"
