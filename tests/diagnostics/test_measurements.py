@@ -2,8 +2,9 @@
 import pytest
 import torch
 from megascale.diagnostics import NodeSpec
+from megascale.diagnostics import compute
 from megascale.diagnostics.compute import gemm_gflops
-from megascale.diagnostics.faults import RateLimitedProxy
+from megascale.diagnostics.faults import Faults, RateLimitedProxy
 from megascale.diagnostics.health import check_health, memory_test
 from megascale.diagnostics.loopback import Sink, tcp_loopback
 
@@ -33,3 +34,19 @@ def test_health_rows_and_configured_thresholds(fast_config):
     assert rows["checkpoint_disk"].value > 0 and rows["shm"].value >= 0
     # No GPU here: ECC / XID are skipped with the reason, never silently passed.
     assert rows["ecc_uncorrected"].status == "skip" and "nvidia-smi" in rows["ecc_uncorrected"].detail
+
+
+def test_gemm_devices_take_turns_so_a_host_that_gets_busy_mid_check_fails_none(fast_config, monkeypatch):
+    """Four CPU 'devices' share the host: its matmuls run at full speed for the check's first half, at a third
+    for the rest (ranks restarting beside a background check). Measured one after the other, the last devices
+    read a third of the first and failed against them; in turns, each sees both halves."""
+    clock = [0.0]
+    monkeypatch.setattr(compute.time, "perf_counter", lambda: clock[0])
+
+    def matmul(a, b):
+        clock[0] += 0.01 if clock[0] < 1.0 else 0.03
+
+    monkeypatch.setattr(compute.torch, "mm", matmul)
+    rows = compute.check_gemm(NodeSpec("n0", devices=(0, 1, 2, 3)), fast_config, Faults(), budget_s=1.0)
+    assert [r.value for r in rows] == [pytest.approx(rows[0].value)] * 4 and rows[0].value > 0
+    assert all(r.elapsed_s > 0.5 for r in rows)  # each had a share of the whole check, not a window of its own
