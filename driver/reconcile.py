@@ -53,7 +53,6 @@ class Driver:
         self.commands = Commands(store, self.event)
         self.hangs = HangClock()
         self.recoverer = Recoverer(self)
-        self._final_step: Optional[int] = None  # the job's last step, for ETTR once its ranks are gone
         self._resume_looked = False  # one fresh look at exited executors per resume, not one per waiting tick
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -258,7 +257,7 @@ class Driver:
         elif all_succeeded(rec, self.ingest.nodes, self.cfg.ranks_per_node):
             # A rank exits 0 only after train.steps; a short last incarnation can end between heartbeats.
             step = seen.get("step") or self.cfg.train.steps
-            self._final_step = step
+            timings.note_progress(rec, self.cfg.train.steps, time.time())  # the steps after the last heartbeat
             self.move(rec, JobState.SUCCEEDED, f"trained to step {step}")
 
     def _recovering(self, rec: JobRecord, desired: str) -> None:
@@ -361,16 +360,13 @@ class Driver:
                 waiting=f"{hb.waiting} ({time.time() - hb.waiting_since:.0f} s)"
                 if hb and hb.waiting and hb.waiting_since and hb.incarnation == rec.incarnation else ""))
         seen = progress(rec, self.ingest.nodes)
-        step = (seen.get("step") if not rec.terminal else None) or self._final_step
-        if (ettr := timings.ettr(rec, step)) is not None:
-            self._final_step = step
         return JobStatus(job=self.job, state=rec.state.value, reason=rec.reason, incarnation=rec.incarnation,
                          restarts=rec.restarts, total_steps=self.cfg.train.steps, step=seen.get("step"),
                          loss=seen.get("loss"), tokens_per_s=seen.get("tokens_per_s"), val_step=seen.get("val_step"),
                          val_loss=seen.get("val_loss"), val_ppl=seen.get("val_ppl"), nodes=nodes,
                          driver=self.holder, updated=time.time(), heartbeats=self.ingest.processed,
                          ignored=sum(self.ingest.ignored.values()), rejected=dict(self.ingest.ignored),
-                         ettr=ettr, recoveries=rec.recoveries, recovered=rec.recovered,
+                         ettr=timings.ettr(rec), recoveries=rec.recoveries, recovered=rec.recovered,
                          evicted=len(rec.slots("evicted")),
                          mttr_s=timings.mttr(rec), stragglers=[describe(f) for f in self.telemetry.metrics.findings],
                          prometheus=self.telemetry.prometheus_url, timings_stored=self.telemetry.consumer.stored)

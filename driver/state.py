@@ -144,11 +144,11 @@ class JobRecord:
     recoveries: list[dict] = field(default_factory=list)  # the newest finished ones' MTTR phases (timings.KEPT)
     recovered: int = 0  # recoveries finished, ever: each one's `n` in `recoveries`
     recovery_s: float = 0.0  # their total_s summed (MTTR)
-    # ETTR's ideal step: seconds per step between the steps seen within an incarnation (the newest), and the last
-    # step seen: (incarnation, step, when its node saw it)
-    step_intervals: list[float] = field(default_factory=list)
+    # ETTR: seconds that trained steps past the furthest one reached, that step, and the last step seen:
+    # (incarnation, step, when its node saw it)
+    productive_s: float = 0.0
+    furthest_step: int = 0
     last_seen_step: Optional[tuple[int, int, float]] = None
-    ideal_step: Optional[float] = None  # the lowest median of a full window of step_intervals seen so far
     dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
     checking: dict[str, BackgroundCheck] = field(default_factory=dict)  # node -> its self-check in the background
 

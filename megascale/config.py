@@ -180,8 +180,9 @@ class ControlConfig:
     auto_recover: bool = True  # diagnose, evict and replace failed nodes by itself; False = a dead node pauses the job
     hang_after_s: float = 120.0  # heartbeats arrive but the step has not advanced this long: a hang (0 = off)
     # ... or for this many of the slowest of the recent step intervals, once there are some, if sooner (never
-    # sooner than dead_after_s; 0 = hang_after_s only). A step that takes 10x its recent worst is stuck.
-    hang_after_steps: float = 10.0
+    # sooner than dead_after_s; 0 = hang_after_s only). A step that takes 5x its recent worst is stuck: the safety
+    # factor NVIDIA's resiliency extension applies to the intervals it observes (10 cost every hang ~6 s more).
+    hang_after_steps: float = 5.0
     selfcheck: bool = True  # self-check the nodes a fault points at (driver/recovery/selfcheck.py)
     selfcheck_checks: str = "gemm"  # comma-separated `megascale diagnose --checks`
     selfcheck_budget_s: float = 30.0  # per node

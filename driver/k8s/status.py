@@ -1,7 +1,7 @@
 """A TrainingJob's status: the driver's record and live status in Kubernetes terms, the machines
 evicted, the newest checkpoint, and conditions for `kubectl wait`.
 
-ETTR and MTTR are the driver's own (MegaScale §6: steps x ideal step time / wall time; fault to
+ETTR and MTTR are the driver's own (MegaScale §6: time that trained new steps / wall time; fault to
 caught-up), so `megascale status` and `kubectl get trainingjobs` agree. What the driver does not
 know after a restart (its last step, loss, ETTR) keeps the value the status held.
 

@@ -14,7 +14,8 @@ Faults (issue 21), one every `--fault-interval` seconds on average, each once th
   says NaN), kill-driver (kill-redis, restart-broker and kill-driver are a kill -9: the supervisor restarts
   each).
 Lost time per fault: from the injection until training is back past the step it had reached, less the time those
-steps take at the median step time. `ettr` is the driver's own.
+steps take at the median step time. `ettr` is the driver's own (docs/recovery.md: the time that trained new steps over
+the wall time); `start_s` and `lost_to_faults_s` are what it lost to start-up and to the faults.
 """
 from __future__ import annotations
 
@@ -378,6 +379,10 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "recoveries": recovered(final),
         "failed": int(final.get("state") != JobState.RUNNING.value),
         "ettr": final.get("ettr"),
+        # what ETTR counts as lost, apart: submission to the first step, and the faults (whose recovery ended)
+        "start_s": round(next((t for t, step in soak.progress if step), soak.progress[-1][0]) - soak.progress[0][0], 1)
+        if soak.progress else None,
+        "lost_to_faults_s": round(sum(f["lost_s"] for f in injected if f["lost_s"] is not None), 1),
         # not_back: faults after which training never passed its earlier step before the run ended
         "ettr_by_fault_kind": {k: {"faults": len(v), "not_back": v.count(None),
                                    "lost_s_mean": round(statistics.fmean(x for x in v if x is not None), 2)

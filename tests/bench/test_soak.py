@@ -26,6 +26,22 @@ def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
     assert lost_seconds([(0.0, 5), (11.0, 5)], injected=10.0, step_s=1.0) is None  # never back
 
 
+def test_the_report_splits_what_ettr_lost_into_start_up_and_faults():
+    # launched at t=100, the first step at t=130; a killed rank that cost 6 s, a broker restart 0.5 s, and a
+    # fault the run ended before training was back from (counted in not_back, not in the seconds)
+    soak = SimpleNamespace(progress=[(100.0, 0), (129.5, 0), (130.0, 1), (200.0, 70), (230.0, 70)], samples=[])
+    injected = [{"kind": k, "time": t, "recoveries_before": 0, "done": ""} for k, t in
+                (("kill-rank", 150.0), ("restart-broker", 170.0), ("hang-rank", 201.0))]
+    final = {"state": "Running", "ettr": 0.8, "recovered": 1,
+             "recoveries": [{"n": 1, "kind": "rank_failed", "total_s": 6.0}]}
+    metrics = [{"step": s, "loss": 1.0, "step_time": 1.0} for s in range(1, 71)]
+    injected[1]["recoveries_before"] = injected[2]["recoveries_before"] = 1
+    result = soak_module.report(soak, injected, final, metrics, {}, {}, 120.0)
+    assert (result["ettr"], result["start_s"]) == (0.8, 30.0)
+    lost = [f["lost_s"] for f in result["injected"]]
+    assert lost[0] == 6.0 and lost[2] is None and result["lost_to_faults_s"] == round(6.0 + lost[1], 1)
+
+
 def test_drift_is_per_incarnation_and_ignores_short_ones():
     steady = [{"step": s, "step_time": 1.0} for s in range(1, 101)]
     slowing = [{"step": s, "step_time": 1.0 + (s - 41) * 0.01} for s in range(41, 141)]  # a replay from 41

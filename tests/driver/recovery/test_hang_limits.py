@@ -44,33 +44,33 @@ def check(clock: HangClock, rec: JobRecord, cfg, waits=()):
 
 def test_the_hang_limit_is_the_ceiling_until_step_intervals_are_known_then_a_multiple_of_the_slowest():
     rec, cfg = record(), config()
-    assert (cfg.control.hang_after_s, cfg.control.hang_after_steps) == (120.0, 10.0)
+    assert (cfg.control.hang_after_s, cfg.control.hang_after_steps) == (120.0, 5.0)
     warming = clock_after_steps(rec, [1.0, 1.0], ago=60)  # two intervals: not yet known
     assert warming.limit(cfg) == (120.0, "control.hang_after_s") and check(warming, rec, cfg) is None
-    clock = clock_after_steps(rec, [1.0, 1.6, 0.9, 1.0], ago=15)
+    clock = clock_after_steps(rec, [1.0, 1.6, 0.9, 1.0], ago=7)
     limit, setting = clock.limit(cfg)
-    assert abs(limit - 16.0) < 1e-6 and "hang_after_steps=10 x the slowest recent step, 1.60 s" in setting
-    assert check(clock, rec, cfg) is None  # 15 s still: within 16 s
-    fault = check(clock_after_steps(rec, [1.0, 1.6, 0.9, 1.0], ago=17), rec, cfg)
-    assert fault.kind == "hang" and "no training progress for 17 s after step 4" in fault.message
-    assert "limit 16 s: control.hang_after_steps" in fault.message
+    assert abs(limit - 8.0) < 1e-6 and "hang_after_steps=5 x the slowest recent step, 1.60 s" in setting
+    assert check(clock, rec, cfg) is None  # 7 s still: within 8 s
+    fault = check(clock_after_steps(rec, [1.0, 1.6, 0.9, 1.0], ago=9), rec, cfg)
+    assert fault.kind == "hang" and "no training progress for 9 s after step 4" in fault.message
+    assert "limit 8 s: control.hang_after_steps" in fault.message
 
 
 def test_the_adaptive_limit_is_never_under_dead_after_s_nor_over_the_ceiling_and_can_be_turned_off():
     rec = record()
     fast = clock_after_steps(rec, [0.1] * 5, ago=0)
-    assert fast.limit(config())[0] == 6.0  # 10 x 0.1 s, raised to dead_after_s
+    assert fast.limit(config())[0] == 6.0  # 5 x 0.1 s, raised to dead_after_s
     slow = clock_after_steps(rec, [30.0] * 5, ago=0)
-    assert slow.limit(config()) == (120.0, "control.hang_after_s")  # 300 s: the ceiling is sooner
+    assert slow.limit(config()) == (120.0, "control.hang_after_s")  # 150 s: the ceiling is sooner
     assert fast.limit(config(hang_after_steps=0)) == (120.0, "control.hang_after_s")
 
 
 def test_a_restart_keeps_the_intervals_but_a_shrink_forgets_them():
     rec, cfg = record(), config()
-    clock = clock_after_steps(rec, [1.0] * 5, ago=0)
+    clock = clock_after_steps(rec, [2.0] * 5, ago=0)
     rec.incarnation = 2
     clock.track(rec, {"step": 3, "seen": time.time() + 30}, [])  # restored to step 3: no interval across it
-    assert list(clock.intervals) == [1.0] * 5 and clock.limit(cfg)[0] == 10.0
+    assert list(clock.intervals) == [2.0] * 5 and clock.limit(cfg)[0] == 10.0
     rec.incarnation, rec.dp = 3, 1  # shrunk to dp 1: each step does twice the work
     clock.track(rec, {"step": 3, "seen": time.time() + 40}, [])
     assert clock.limit(cfg) == (120.0, "control.hang_after_s")
@@ -80,7 +80,7 @@ def test_a_validation_holds_the_clock_for_the_ceiling_not_the_adaptive_limit():
     rec, cfg = record(), config()
     clock = clock_after_steps(rec, [1.0] * 5, ago=40)
     validating = [(time.time() - 40, "validation after step 5", "n0")]
-    assert check(clock, rec, cfg, validating) is None  # 40 s into it: over 10 x 1 s, but a validation
+    assert check(clock, rec, cfg, validating) is None  # 40 s into it: over 5 x 1 s, but a validation
     fault = check(clock, rec, cfg, [(time.time() - 130, "validation after step 5", "n0")])
     assert fault.kind == "hang" and "waited 130 s for validation after step 5" in fault.message
     assert "control.hang_after_s" in fault.message

@@ -2,7 +2,6 @@
 how a recovery's time splits into MTTR phases (the end-to-end runs are in test_recovery*.py)."""
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -11,7 +10,7 @@ from megascale.common.messages import Heartbeat
 from megascale.config import from_dict
 from megascale.driver.ingest import NodeView
 from megascale.driver.recovery import policy, selfcheck, timings
-from megascale.driver.state import Fault, JobRecord, NodeSlot, Recovery, Timeline
+from megascale.driver.state import Fault, JobRecord, JobState, NodeSlot, Recovery, Timeline
 
 
 def config(**control):
@@ -101,31 +100,36 @@ def test_a_recovery_is_timed_by_when_its_node_saw_the_steps_not_by_when_heartbea
     assert done["restart_s"] == 3.0 and done["catchup_s"] == 1.0 and done["total_s"] == 8.0
 
 
-def test_ettr_takes_the_median_seconds_per_step_as_ideal_not_the_fastest_step():
+def test_ettr_counts_the_time_that_trained_new_steps_not_start_up_restarts_or_replays():
     rec, now = record(), time.time()
     rec.created = now - 100.0
-    # Steps as heartbeats show them (by when their node saw them): one a second, a 0.3 s step's own time
-    # aside, and a restart (incarnation 2, from step 5) whose 20 s gap is no interval of either incarnation.
-    for step, seen_s, step_time in [(1, 10, 0.3), (3, 12, 1.0), (3, 12, 1.0), (4, 13, 1.0), (6, 15, 1.0)]:
-        timings.track(rec, {}, {"step": step, "step_time": step_time, "seen": now - 100 + seen_s})
-    rec.incarnation = 2
-    for step, seen_s in [(5, 35), (7, 37.2)]:
+    # Steps as heartbeats show them (by when their node saw them): the first at 10 s (start-up before it is
+    # lost), one a second to step 6 at 15 s (5 s), then a fault: incarnation 2 resumes at step 3 at 35 s (the
+    # restart is lost), replays steps 4-6 to 38 s (lost: no new data) and trains steps 7-8 to 40 s (2 s).
+    for step, seen_s in [(1, 10), (3, 12), (3, 12), (4, 13), (6, 15)]:
         timings.track(rec, {}, {"step": step, "step_time": 1.0, "seen": now - 100 + seen_s})
-    assert rec.step_intervals == [1.0, 1.0, 1.0, pytest.approx(1.1)]
-    assert timings.ettr(rec, 90) == pytest.approx(0.9, abs=0.01)  # 90 steps x 1.0 s (median) in 100 s
-    assert timings.ettr(record(), 90) is None  # no interval seen yet
+    assert timings.ettr(record()) is None  # no step seen yet
+    rec.incarnation = 2
+    for step, seen_s in [(3, 35), (5, 37), (8, 40)]:  # steps 6-8 in 3 s: 7 and 8 are new
+        timings.track(rec, {}, {"step": step, "step_time": 1.0, "seen": now - 100 + seen_s})
+    assert rec.furthest_step == 8 and rec.productive_s == pytest.approx(5.0 + 2.0)
+    assert timings.ettr(rec) == pytest.approx(7.0 / 100, abs=0.001)
 
 
-def test_ettr_keeps_the_best_sustained_pace_as_ideal_when_the_job_slows_down():
+def test_ettr_counts_slow_steps_as_training_and_stops_its_clock_when_the_job_ends():
     rec, now = record(), time.time()
-    rec.created = now - 500.0
-    seen = now - 500.0
-    for step in range(1, 2 * timings.TYPICAL_OVER + 2):  # a window of 1 s steps, then one of 2 s steps
-        seen += 1.0 if step <= timings.TYPICAL_OVER + 1 else 2.0
+    rec.created = seen = now - 400.0
+    # Step 1 at 1 s (start-up), 100 more steps of 1 s, then 99 of 2 s (a loaded host): all of those trained.
+    for step in range(1, 201):
+        seen += 1.0 if step <= 101 else 2.0
         timings.track(rec, {}, {"step": step, "step_time": 1.0, "seen": seen})
-    assert statistics.median(rec.step_intervals) == 2.0 and rec.ideal_step == 1.0
-    # 129 steps at the 1 s pace in 500 s; the newest window's median (2 s) would read 0.52.
-    assert timings.ettr(rec, 2 * timings.TYPICAL_OVER + 1) == pytest.approx(129 / 500, abs=0.01)
+    assert rec.productive_s == pytest.approx(298.0)
+    assert timings.ettr(rec) == pytest.approx(298.0 / 400, abs=0.01)
+    rec.move(JobState.INITIALIZING)
+    rec.move(JobState.RUNNING)
+    rec.move(JobState.SUCCEEDED, "trained to step 200")
+    rec.entered = rec.created + 350.0  # ended 50 s ago: the wall clock stopped then
+    assert timings.ettr(rec) == pytest.approx(298.0 / 350, abs=0.001)
 
 
 def test_weeks_of_recoveries_keep_the_newest_in_full_and_count_and_time_them_all():

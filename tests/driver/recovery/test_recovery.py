@@ -33,7 +33,10 @@ def test_kill_rank_then_kill_node_recover_automatically(tmp_path, capsys, wait):
     dead = final["recoveries"][1]
     assert dead["detection_s"] <= 1.0, dead  # the executor's exit, seen by the backend: within 2 heartbeat intervals
     assert all(r["total_s"] > 0 and r["steps_lost"] >= 0 for r in final["recoveries"])
-    assert 0 < final["ettr"] <= 1 and final["mttr_s"] > 0
+    assert final["mttr_s"] > 0
+    # ETTR counts every recovery's time as lost (and start-up besides); the status is written until the end.
+    lost = sum(r["total_s"] for r in final["recoveries"])
+    assert 0 < final["ettr"] <= 1 - (lost - 1.0) / (final["updated"] - rec.created), (final["ettr"], lost)
     log = events(job)
     assert "node n0: its executor exited" in log and "recovered from node_dead" in log
     assert "evicted n0 (dead (no heartbeat)); n2 takes its place" in log
