@@ -253,7 +253,8 @@ def status_schema() -> dict:
         "paused": {"type": "boolean", "description": "the spec.paused the operator last applied"},
         "incarnation": count, "restarts": count, "step": count, "totalSteps": count,
         "loss": {"type": "number"}, "tokensPerSecond": {"type": "number"},
-        "ettr": _num(0.0, 1.0, "effective training time ratio: time that trained new steps / wall time since submission (the driver's)"),
+        "ettr": _num(0.0, 1.0, "effective training time ratio: time that trained new steps / wall time since "
+                               "submission (the driver's)"),
         "mttrSeconds": _num(0.0, 1e9, "mean time to recover: fault to training caught up, over finished recoveries"),
         "recoveries": count,
         "startTime": _str(format="date-time"), "lastSyncTime": _str(format="date-time"),
