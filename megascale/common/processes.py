@@ -58,11 +58,16 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
 LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ [A-Z]+ ")
 
 
+LOG_TAIL_BYTES = 64 * 1024  # a driver's log grows for the weeks its job runs: only its end is read
+
+
 def last_line(log_file: Path) -> str:
     """The last line a process wrote to its log (where its error is), without the logging prefix, with the
     log's name."""
     try:
-        lines = log_file.read_text(errors="replace").strip().splitlines()
+        with open(log_file, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            lines = log.read().decode(errors="replace").strip().splitlines()
     except OSError:
         lines = []
     return f"{LOG_PREFIX.sub('', lines[-1]) if lines else '(nothing)'} (see {log_file})"
