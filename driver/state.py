@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from megascale.common import auth, typed
 from megascale.common.messages import (Ack, Command, MessageError, acks_key, command_stream, decode, encode,
-                                       selfchecks_key)
+                                       selfchecks_key, training_key)
 
 
 class JobState(str, Enum):
@@ -268,6 +268,7 @@ class JobStore:
         self.k_status, self.k_lease, self.k_offsets = ns + "status", ns + "driver", ns + "offsets"
         self.k_seq = ns + "cmdseq"
         self.k_chaos, self.k_inject, self.k_spares = ns + "chaos", ns + "inject", ns + "spares"
+        self.k_training = training_key(job)
 
     @classmethod
     def from_url(cls, url: str, job: str, timeout_s: float = 5.0,
@@ -294,7 +295,7 @@ class JobStore:
             return existing, False
         pipe = self.r.pipeline()
         pipe.delete(self.k_desired, self.k_evict, self.k_spares, self.k_status, self.k_offsets, self.k_chaos,
-                    self.k_inject)
+                    self.k_inject, self.k_training)
         pipe.set(self.k_record, record.to_json())
         pipe.execute()
         return record, True
@@ -348,7 +349,12 @@ class JobStore:
     # -- what `status` shows, and the ingestion's resume point -------------------------------
 
     def write_status(self, status: JobStatus) -> None:
-        self.r.set(self.k_status, json.dumps(dataclasses.asdict(status)))
+        """The status, and whether the current incarnation trains (its `step` is the current incarnation's)."""
+        trains = status.state == JobState.RUNNING.value and status.step is not None
+        pipe = self.r.pipeline()
+        pipe.set(self.k_status, json.dumps(dataclasses.asdict(status)))
+        pipe.set(self.k_training, b"1" if trains else b"0")
+        pipe.execute()
 
     def status(self) -> Optional[JobStatus]:
         raw = self.r.get(self.k_status)

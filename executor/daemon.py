@@ -48,7 +48,7 @@ from megascale.config import ControlConfig
 from megascale.common.comm_env import comm_env
 from .ranks import RankGroup, restarts_in_process
 from .selfcheck import SelfCheck, Worker, spawn
-from .standby import Standbys
+from .standby import JobTraining, Standbys
 from .throttle import SlowRanks
 
 POLL_S = 0.25
@@ -74,6 +74,7 @@ class Executor:
         self.signer = auth.env_signer()  # heartbeats and metrics carry the job's HMAC
         self.group: Optional[RankGroup] = None
         self.standbys = Standbys(work_dir, standby, ranks_per_node if standby else 0, settle_s=2 * heartbeat_s)
+        self.job_training = JobTraining(self.redis, job, every_s=heartbeat_s)
         self.slow = SlowRanks(self.redis, job, node)  # `megascale chaos slow-rank` faults on this node's ranks
         self.run_dir: Optional[Path] = None  # the job's, where ranks write their flight recorders
         self.background: Optional[tuple[int, SelfCheck]] = None  # a self-check beside the ranks, by command seq
@@ -235,12 +236,13 @@ class Executor:
         return True, f"started ranks {args['ranks']} of incarnation {incarnation}{joined}"
 
     def _training(self) -> Optional[bool]:
-        """For the standbys: True while this node's ranks train (restored, in their incarnation), False
-        while it has none (idle, a spare), None in between (starting, stopped for a recovery)."""
+        """For the standbys: True while this node's ranks are in the job's incarnation that trains (it made a
+        step), False while the node has none (idle, a spare) and the job trains, None in between (a start or
+        restart under way). By the driver's word (JobTraining): only one rank reports its steps."""
         if self.group is None:
-            return False
+            return False if self.job_training() else None
         running = self.phase == "running" and self.group.training() and self.group.restored_step() is not None
-        return True if running else None
+        return True if running and self.job_training() else None
 
     def _stop_ranks(self, args: dict) -> tuple[bool, str]:
         if args.get("selfcheck") and (self.worker is None or self.worker.proc.poll() is not None):

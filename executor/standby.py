@@ -7,8 +7,12 @@ killed rank, and the four (ranks_per_node) of a spare taking over a lost node. T
 spare). Each is `python -m megascale.executor.rank --standby` (rank.py): it imports what a rank needs,
 then waits on stdin for its first order, `{"op": "join", "spec": PATH, "log": PATH, "env": {...}}`, points
 its output at the rank's log, takes on the rank's environment, and from there on is the rank a new process
-started with that spec would be. One used is replaced once the node has trained (or idled) for two
-heartbeat periods, not during the restart it would slow down.
+started with that spec would be.
+
+They start once the node has been steady for two heartbeat periods while the job's current incarnation
+trains (JobTraining): its ranks are in that incarnation, or it has none (idle). Not before: eight ranks importing
+torch at a job's start or restart are what the restart waits for, and four more imports beside them (a spare's)
+made the main example's first step 3 s later on 2 cores.
 """
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+import redis
+
+from megascale.common.messages import training_key
 
 from . import log
 from .allocator import rank_allocator_env
@@ -71,3 +79,22 @@ class Standbys:
             proc.kill()
             proc.wait()
         self.procs = []
+
+
+class JobTraining:
+    """Whether the job's current incarnation trains, as its driver last wrote (`training_key`): read from Redis at
+    most once per `every_s`; while Redis cannot be read, the last answer stands."""
+
+    def __init__(self, client: redis.Redis, job: str, every_s: float):
+        self.client, self.key, self.every_s = client, training_key(job), every_s
+        self.read_at, self.trains = float("-inf"), False
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.read_at >= self.every_s:
+            self.read_at = now
+            try:
+                self.trains = self.client.get(self.key) == b"1"
+            except redis.RedisError:
+                pass
+        return self.trains

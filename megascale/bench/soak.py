@@ -53,6 +53,7 @@ STOP_TIMEOUT_S = 150.0  # `megascale stop` waits up to 90 s for a job to end
 FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
           "kill-redis", "restart-broker", "slow-rank", "nan-loss", "kill-driver")
 FAULT_SETTLE_S = 60.0  # after an injection, steps slowed by the fault itself (step_time_drift leaves them out)
+PHASES = ("detection_s", "diagnosis_s", "restart_s", "catchup_s")  # a recovery's total_s (recovery/timings.py)
 LOSS_RTOL = 1e-5  # the recovery tests' tolerance: reference and job may use different thread counts per rank
 
 
@@ -364,6 +365,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         # any other (driver, Redis, broker, slow rank) what the step progress shows
         own = [r for r in recoveries_after(final, fault["recoveries_before"]) if r["n"] <= end]
         fault["recoveries"] = [r["kind"] for r in own]
+        fault["phases_s"] = [{k.removesuffix("_s"): r[k] for k in PHASES if k in r} for r in own]
         lost = (round(sum(r["total_s"] for r in own), 2) if own
                 else lost_seconds(soak.progress, fault["time"], step_s))
         fault["lost_s"] = lost
@@ -404,7 +406,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "step_time_drift_all_steps": step_time_drift(metrics),
         **losses,
         "leftovers": left,
-        "injected": [{k: f[k] for k in ("kind", "done", "recoveries", "lost_s")} for f in injected],
+        "injected": [{k: f[k] for k in ("kind", "done", "recoveries", "lost_s", "phases_s")} for f in injected],
         "cpus": os.cpu_count(),
         "load_1m": round(os.getloadavg()[0], 1),
     }

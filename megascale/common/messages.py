@@ -221,6 +221,12 @@ def selfchecks_key(job: str) -> str:
     return f"megascale:{{{job}}}:selfchecks"
 
 
+def training_key(job: str) -> str:
+    """"1" while the job's current incarnation trains (it has made a step), else "0": written by the driver with
+    its status, read by idle nodes, whose standby processes wait for it (executor/standby.py)."""
+    return f"megascale:{{{job}}}:training"
+
+
 def slow_ranks_key(job: str, node: str) -> str:
     return f"megascale:{{{job}}}:slow:{node}"
 

@@ -33,13 +33,17 @@ def test_the_report_splits_what_ettr_lost_into_start_up_and_faults():
     injected = [{"kind": k, "time": t, "recoveries_before": 0, "done": ""} for k, t in
                 (("kill-rank", 150.0), ("restart-broker", 170.0), ("hang-rank", 201.0))]
     final = {"state": "Running", "ettr": 0.8, "recovered": 1,
-             "recoveries": [{"n": 1, "kind": "rank_failed", "total_s": 6.0}]}
+             "recoveries": [{"n": 1, "kind": "rank_failed", "total_s": 6.0, "detection_s": 0.5, "diagnosis_s": 0.0,
+                             "restart_s": 4.5, "catchup_s": 1.0}]}
     metrics = [{"step": s, "loss": 1.0, "step_time": 1.0} for s in range(1, 71)]
     injected[1]["recoveries_before"] = injected[2]["recoveries_before"] = 1
     result = soak_module.report(soak, injected, final, metrics, {}, {}, 120.0)
     assert (result["ettr"], result["start_s"]) == (0.8, 30.0)
     lost = [f["lost_s"] for f in result["injected"]]
     assert lost[0] == 6.0 and lost[2] is None and result["lost_to_faults_s"] == round(6.0 + lost[1], 1)
+    # where a recovery's seconds went, by phase; a fault without a recovery has none
+    assert [f["phases_s"] for f in result["injected"]] == [
+        [{"detection": 0.5, "diagnosis": 0.0, "restart": 4.5, "catchup": 1.0}], [], []]
 
 
 def test_drift_is_per_incarnation_and_ignores_short_ones():
