@@ -111,7 +111,8 @@ class Executor:
                     self._execute(cmd)
                 self._report_background()
                 changed = self.group.poll() if self.group else False
-                self.standbys.refill(self._training())
+                if self.standbys.wanted:  # no standbys wanted (control.standby_ranks=0): no Redis read either
+                    self.standbys.refill(self._training())
                 self.slow.apply(self.group)
                 self._publish_metrics()
                 self._publish_timings()

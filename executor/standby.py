@@ -42,6 +42,11 @@ class Standbys:
         self.procs: list[subprocess.Popen] = []
         self.steady: Optional[tuple[bool, float]] = None  # (training, since when)
 
+    @property
+    def wanted(self) -> bool:
+        """Whether this node keeps any, training or idle."""
+        return bool(self.training or self.idle)
+
     def take(self) -> Optional[subprocess.Popen]:
         """A live warm process, no longer this pool's; None when none is ready."""
         while self.procs:

@@ -223,7 +223,8 @@ def selfchecks_key(job: str) -> str:
 
 def training_key(job: str) -> str:
     """"1" while the job's current incarnation trains (it has made a step), else "0": written by the driver with
-    its status, read by idle nodes, whose standby processes wait for it (executor/standby.py)."""
+    its status, read by the nodes, whose standby processes wait for it (executor/standby.py). A key of its own,
+    though the status holds the same: that is rewritten every pass and grows with the nodes it lists."""
     return f"megascale:{{{job}}}:training"
 
 
