@@ -28,7 +28,8 @@ def progress(rec: JobRecord, views: dict[str, NodeView]) -> dict:
                 best = {"step": hb.step, "loss": hb.loss, "tokens_per_s": hb.tokens_per_s,
                         "val_step": hb.val_step, "val_loss": hb.val_loss, "val_ppl": hb.val_ppl,
                         "step_time": hb.step_time, "age_s": hb.step_age_s,
-                        "seen": view.wall - (hb.step_age_s or 0.0)}  # when the node saw it, by our clock
+                        "seen": view.wall - (hb.step_age_s or 0.0),  # when the node saw it, by our clock
+                        "heard": view.wall}  # when that word came
     return best
 
 
@@ -110,9 +111,12 @@ class HangClock:
             return None
         quiet = time.time() - max(self.since, rec.entered)
         if step is not None and (age := seen.get("age_s")) is not None:
-            # The node's own word that the step is still the newest, so late heartbeats are not
-            # taken for a hang (a node that stops reporting is dead_after_s's case).
-            quiet = min(quiet, age)
+            # The node's own word that the step is still the newest, so late heartbeats are not taken for
+            # a hang (a node that stops reporting is dead_after_s's case). It is carried forward by the time
+            # since it came, up to one heartbeat period (as long as a node on time is quiet): else a hang
+            # would be found up to a period after its limit.
+            since_heard = max(0.0, time.time() - seen.get("heard", time.time()))
+            quiet = min(quiet, age + min(since_heard, ctl.heartbeat_s))
         after, setting = self.limit(cfg)
         if step is None:
             after = max(after, ctl.start_timeout_s)

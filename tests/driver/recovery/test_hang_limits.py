@@ -56,6 +56,22 @@ def test_the_hang_limit_is_the_ceiling_until_step_intervals_are_known_then_a_mul
     assert "limit 8 s: control.hang_after_steps" in fault.message
 
 
+def test_a_hang_is_found_at_its_limit_not_a_heartbeat_later_nor_from_late_heartbeats():
+    rec, cfg = record(), config()  # limit 6 s (dead_after_s) for 0.1-s steps; heartbeats every 2 s
+    clock = clock_after_steps(rec, [0.1] * 5, ago=6.3)
+
+    def hang(age_s: float, heard_ago: float):
+        seen = {"step": clock.step, "age_s": age_s, "heard": time.time() - heard_ago}
+        return clock.check(rec, cfg, seen, [], lambda message, node: None)
+
+    # the last heartbeat, 1.8 s ago, said the step was 4.5 s old: it is 6.3 s old now, over the limit
+    assert hang(4.5, 1.8).kind == "hang"
+    assert hang(4.5, 1.0) is None  # 5.5 s old: within it
+    # a node 10 s quiet whose last word was a 1-s-old step: its heartbeats are late (dead_after_s's
+    # case), not its training; the word is carried forward one heartbeat period at most
+    assert hang(1.0, 10.0) is None
+
+
 def test_the_adaptive_limit_is_never_under_dead_after_s_nor_over_the_ceiling_and_can_be_turned_off():
     rec = record()
     fast = clock_after_steps(rec, [0.1] * 5, ago=0)
