@@ -39,6 +39,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 import megascale.data
 from megascale.bench import BenchFailed
+from megascale.bench.incarnations import incarnation_memory
 from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
@@ -52,7 +53,7 @@ STOP_TIMEOUT_S = 150.0  # `megascale stop` waits up to 90 s for a job to end
 # kill-driver last: the driver's first life then spans most of a 30-minute run, long enough to fit its slope
 FAULTS = ("kill-rank", "kill-executor", "hang-rank", "freeze-node", "crash-mid-persist", "corrupt-checkpoint",
           "kill-redis", "restart-broker", "slow-rank", "nan-loss", "kill-driver")
-FAULT_SETTLE_S = 60.0  # after an injection, steps slowed by the fault itself (step_time_drift leaves them out)
+FAULT_SETTLE_S = 60.0  # after an injection: steps it slowed and samples of processes it made rebuild (left out of fits)
 PHASES = ("detection_s", "diagnosis_s", "restart_s", "catchup_s")  # a recovery's total_s (recovery/timings.py)
 LOSS_RTOL = 1e-5  # the recovery tests' tolerance: reference and job may use different thread counts per rank
 
@@ -294,6 +295,8 @@ def run(args: argparse.Namespace) -> dict:
         except OSError as e:
             raise BenchFailed(f"--samples {samples_file}: {e.strerror}") from None
     rng = random.Random(21)
+    # before the job, alone on the CPUs: what each in-process restart leaves in a rank, apart from time
+    per_incarnation = incarnation_memory(cycles=4 if quick else 16)
     shm_before, tmp_before = set(os.listdir("/dev/shm")), {n for n in os.listdir(tempfile.gettempdir())
                                                              if "megascale" in n}
     with tempfile.TemporaryDirectory(prefix="megascale-bench-soak-") as tmp:
@@ -323,7 +326,8 @@ def run(args: argparse.Namespace) -> dict:
     result = report(soak, injected, final_status, metrics, losses, left, interval)
     if samples_file:
         save_samples(Path(samples_file), soak, injected, metrics)
-    return {**result, "minutes": round((time.time() - started) / 60, 1), "redis_keys_at_end": keys}
+    return {**result, "rank_memory_by_incarnation": per_incarnation, "minutes": round((time.time() - started) / 60, 1),
+            "redis_keys_at_end": keys}
 
 
 def save_samples(path: Path, soak: Soak, injected: list[dict], metrics: list[dict]) -> None:
@@ -373,7 +377,8 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
     span = soak.samples[-1]["time"] - soak.samples[0]["time"] if soak.samples else 0.0
     after = 300.0 if span >= 600 else 60.0  # slopes after the first 5 minutes (1 in a short run)
     lived = 600.0 if span >= 600 else 60.0  # ... of processes sampled this long after their own first `after`
-    per_process = {name: process_slopes(soak.samples, name, after, lived)
+    disturbed = tuple((f["time"], f["time"] + FAULT_SETTLE_S) for f in injected)
+    per_process = {name: process_slopes(soak.samples, name, after, lived, disturbed)
                    for name in ("rss_mb", "anon_mb", "fds", "threads")}
     return {
         "fault_interval_s": interval,
@@ -397,12 +402,11 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "fds_slope_per_hour": {k: v["worst"] for k, v in per_process["fds"].items()},
         "threads_slope_per_hour": {k: v["worst"] for k, v in per_process["threads"].items()},
         "slope_processes": {k: v["processes"] for k, v in per_process["rss_mb"].items()},
-        "shm_segments_slope_per_hour": slope_per_hour(soak.samples, lambda s: s["shm_segments"], after),
-        "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after),
-        "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after),
+        "shm_segments_slope_per_hour": slope_per_hour(soak.samples, lambda s: s["shm_segments"], after, disturbed),
+        "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after, disturbed),
+        "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after, disturbed),
         "heartbeat_lag_max": max((s["heartbeat_lag"] for s in soak.samples if "heartbeat_lag" in s), default=None),
-        "step_time_drift": step_time_drift(metrics, disturbed=tuple((f["time"], f["time"] + FAULT_SETTLE_S)
-                                                                    for f in injected)),
+        "step_time_drift": step_time_drift(metrics, disturbed=disturbed),
         "step_time_drift_all_steps": step_time_drift(metrics),
         **losses,
         "leftovers": left,

@@ -17,17 +17,25 @@ def lost_seconds(progress: list[tuple[float, int]], injected: float, step_s: flo
     return round(max(0.0, back[0] - injected - (back[1] - before) * step_s), 2)
 
 
-def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float) -> Optional[float]:
+Windows = tuple[tuple[float, float], ...]  # (wall start, end) of what a fault disturbed
+
+
+def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float,
+                   disturbed: Windows = ()) -> Optional[float]:
+    """Per hour, a line through the samples from `after_s` past the first, those taken in a `disturbed` window
+    left out: a rank rebuilding its model in a restart reads ~8 MB under its steady level for a sample or two,
+    and the return to that level would be fitted as growth."""
     start = samples[0]["time"] if samples else 0
     points = [(s["time"] - start, v) for s in samples if s["time"] - start >= after_s
-              and (v := value(s)) is not None]
+              and not any(lo <= s["time"] < hi for lo, hi in disturbed) and (v := value(s)) is not None]
     if len(points) < 3:
         return None
     t, v = np.array(points).T
     return round(float(np.polyfit(t / 3600.0, v, 1)[0]), 2)
 
 
-def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float) -> dict[str, dict]:
+def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float,
+                   disturbed: Windows = ()) -> dict[str, dict]:
     """Per process kind, the steepest per-hour slope of `field` of any one process, fitted over its samples
     after its own first `after_s` (its warm-up), and how many processes were sampled for `min_span_s` or more
     after that. Summing a kind's processes instead counts those that faults start and end as leaks."""
@@ -40,15 +48,14 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
         kind = out.setdefault(life[0]["kind"], {"worst": None, "processes": 0})
         if life[-1]["time"] - life[0]["time"] - after_s < min_span_s:
             continue
-        slope = slope_per_hour(life, lambda s: s[field], after_s)
+        slope = slope_per_hour(life, lambda s: s[field], after_s, disturbed)
         if slope is not None:
             kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
             kind["processes"] += 1
     return dict(sorted(out.items()))
 
 
-def step_time_drift(metrics: list[dict], warmup: int = 5,
-                    disturbed: tuple[tuple[float, float], ...] = ()) -> list[float]:
+def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
     """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
     leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
     steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is

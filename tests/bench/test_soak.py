@@ -15,6 +15,7 @@ import pytest
 import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import life_key, process_kind, run, save_samples
+from megascale.bench.incarnations import growth_per_100
 from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
 
 
@@ -65,6 +66,23 @@ def test_slope_is_fitted_after_the_warm_up_in_units_per_hour():
     samples = [{"time": 1000.0 + 60 * i, "v": 100.0 + (50.0 if i < 5 else 0.01 * i)} for i in range(30)]
     assert slope_per_hour(samples, lambda s: s["v"], after_s=300) == pytest.approx(0.6)  # 0.01 per minute
     assert slope_per_hour(samples[:2], lambda s: s["v"], after_s=0) is None  # too few points to fit
+
+
+def test_growth_per_incarnation_is_fitted_past_the_heaps_warm_up():
+    warm_then_flat = [197.2, 199.0, 201.2, 202.1, 202.6, 202.8, 203.1, 203.1, 203.1, 202.9, 202.8, 203.1]
+    assert abs(growth_per_100(warm_then_flat)) < 5.0  # +5.9 MB over its first 6, then flat
+    leaking = [200.0 + 0.1 * i for i in range(12)]
+    assert growth_per_100(leaking) == pytest.approx(10.0)  # 0.1 MB each incarnation, to the end
+    assert growth_per_100([200.0, 201.0]) == 0.0  # one point past the warm-up: nothing to fit
+
+
+def test_a_sample_taken_while_a_fault_disturbs_is_left_out_of_the_slope():
+    # A flat rank whose memory dips 8 MB for two samples while it rebuilds its model in a restart at minute 6.
+    samples = [{"time": 60.0 * i, "v": 230.0 - (8.0 if i in (6, 7) else 0.0) + (0.5 if i % 2 else 0.0)}
+               for i in range(30)]
+    assert slope_per_hour(samples, lambda s: s["v"], after_s=300) > 5.0  # the return from the dip reads as growth
+    assert slope_per_hour(samples, lambda s: s["v"], after_s=300, disturbed=((350.0, 470.0),)) == pytest.approx(
+        0.0, abs=0.5)
 
 
 def test_process_kinds_name_modules_and_binaries():

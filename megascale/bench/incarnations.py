@@ -1,0 +1,88 @@
+"""What an in-process restart leaves in a rank's memory: 2 ranks (tp2, sequence parallel) of the soak's model
+go through `cycles` incarnations the way executor/rank.py takes them (the rendezvous, its random streams put
+back, `train_rank` on the kept trainer, a leave part-way through a step, abort, shutdown, `release`), and each
+rank's anonymous memory is read once it has left.
+
+A soak with a fault every 2 minutes restarts a rank every few minutes, so a rank's time slope mixes what
+each incarnation adds with what time adds. Counted per incarnation, the two part: a heap that grows for its
+first few incarnations and then stops is warm-up; one that grows at the end still is a leak per recovery.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+RANKS = 2
+
+
+class _Leave(BaseException):
+    """Raised in the reporting rank's step callback: the rank leaves mid-incarnation, as at the executor's order."""
+
+
+def _anon_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
+    import torch
+
+    from megascale.bench.soak import job_config
+    from megascale.config import from_dict
+    from megascale.executor.rank import FreshState, release
+    from megascale.rank import abort_rank, init_rank, shutdown_rank
+    from megascale.train import KeptTrainer, layout_of, train_rank
+
+    torch.set_num_threads(1)
+    raw = job_config(Path(root), steps=1_000_000)
+    raw.update(parallelism={"tp": RANKS, "sequence_parallel": True}, batch={"micro": 2, "global": 4},
+               checkpoint={"uri": f"{root}/ckpt", "every": max(1, steps // 2)}, logging={"tensorboard": False})
+    raw["train"]["run_dir"] = root
+    del raw["cluster"], raw["control"]
+    cfg = from_dict(raw)
+    kept, fresh, anon = KeptTrainer(), FreshState(), []
+    for cycle in range(cycles):
+        ctx = init_rank(layout_of(cfg), rank, f"file://{root}/rendezvous-{cycle}", cfg.comm, backend="gloo",
+                        sequence_parallel=True, local_rank=rank, local_world_size=RANKS, threads=1)
+        fresh.apply(ctx.device)
+        done = [0]
+
+        def leave_after_steps(stats: dict) -> None:
+            done[0] += 1
+            if done[0] >= steps:
+                raise _Leave()
+
+        try:
+            train_rank(ctx, cfg, root, on_step=leave_after_steps if rank == 0 else None, kept=kept)
+        except _Leave:
+            pass
+        except RuntimeError:  # rank 1, in a collective its peer left: a failed incarnation, as in a restart
+            pass
+        abort_rank()
+        shutdown_rank(ctx)
+        release()
+        anon.append(round(_anon_mb(), 1))
+    (Path(root) / f"anon-{rank}.json").write_text(json.dumps(anon))
+
+
+def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
+    """Each rank's anonymous MB after each incarnation, and its growth per incarnation fitted over the second
+    half (past the heap's warm-up): what 100 recoveries would add to a rank that lives through them."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="megascale-bench-incarnations-") as root:
+        mp.spawn(_rank, args=(root, cycles, steps), nprocs=RANKS)
+        anon = [json.loads((Path(root) / f"anon-{rank}.json").read_text()) for rank in range(RANKS)]
+    return {"ranks": RANKS, "layout": "tp2", "steps_per_incarnation": steps, "anon_mb": anon,
+            "mb_per_100_incarnations": max(growth_per_100(series) for series in anon)}
+
+
+def growth_per_100(series: list[float]) -> float:
+    """MB per 100 incarnations, a line fitted through the second half of `series` (one point per incarnation)."""
+    half = series[len(series) // 2:]
+    if len(half) < 2:
+        return 0.0
+    return round(float(np.polyfit(np.arange(len(half)), half, 1)[0]) * 100, 1)
