@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 RANKS = 2
 
@@ -23,8 +24,9 @@ class _Leave(BaseException):
 
 
 def _anon_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("RssAnon:"))
+    """As the soak samples its processes: resident less shared (file-backed) pages."""
+    memory = psutil.Process().memory_info()
+    return (memory.rss - memory.shared) / 2**20
 
 
 def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
