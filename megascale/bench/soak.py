@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import psutil
 import yaml
@@ -84,6 +84,7 @@ class Soak:
         self.store = JobStore.from_url(self.handle.redis_url, JOB, secrets=self.handle.job_secrets())
         self.progress: list[tuple[float, int]] = []  # (time, step) every ~0.5 s
         self.samples: list[dict] = []
+        self._known: dict[int, psutil.Process] = {}  # the job's processes at the last sample
 
     def status(self) -> dict:
         try:
@@ -150,15 +151,8 @@ class Soak:
 
     def processes(self) -> list[psutil.Process]:
         pids = {self.handle.supervisor_pid, self.handle.driver_pid, self.handle.redis_pid, self.handle.kafka_pid}
-        found = {}
-        for pid in filter(None, pids):
-            try:
-                p = psutil.Process(pid)
-                found[pid] = p
-                found.update((c.pid, c) for c in p.children(recursive=True))
-            except psutil.Error:
-                continue
-        return list(found.values())
+        self._known = job_processes(filter(None, pids), self._known)
+        return list(self._known.values())
 
     def sample(self) -> dict:
         processes: dict[str, dict] = {}  # life_key -> its kind and use
@@ -203,6 +197,25 @@ def process_kind(cmdline: list[str]) -> str:
     if "-m" in cmdline[:-1]:
         return cmdline[cmdline.index("-m") + 1].removeprefix("megascale.")
     return Path(cmdline[0].split()[0]).name.split("-v")[0]  # "redis-server 127.0.0.1:port", "tansu-v0.6.0-..."
+
+
+def job_processes(pids: Iterable[int], known: dict[int, psutil.Process]) -> dict[int, psutil.Process]:
+    """The processes of `pids`, of those `known` still running, and all their descendants. A killed driver's
+    executors outlive it (the next driver adopts them), reparented out of the supervisor's tree: looked for
+    only there, they and their ranks went unsampled from a kill-driver to the end of the run."""
+    found: dict[int, psutil.Process] = {}
+    roots = [*known.values()]
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            roots.append(psutil.Process(pid))
+    for p in roots:
+        try:
+            if p.is_running():  # not a reused pid
+                found[p.pid] = p
+                found.update((c.pid, c) for c in p.children(recursive=True))
+        except psutil.Error:
+            continue
+    return found
 
 
 def life_key(pid: int, created: float, cmdline: list[str], threads: int) -> str:

@@ -4,9 +4,11 @@ slopes) and its sampling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import psutil
@@ -14,7 +16,7 @@ import pytest
 
 import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
-from megascale.bench.soak import life_key, process_kind, run, save_samples
+from megascale.bench.soak import job_processes, life_key, process_kind, run, save_samples
 from megascale.bench.incarnations import growth_per_100
 from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
 
@@ -83,6 +85,30 @@ def test_a_sample_taken_while_a_fault_disturbs_is_left_out_of_the_slope():
     assert slope_per_hour(samples, lambda s: s["v"], after_s=300) > 5.0  # the return from the dip reads as growth
     assert slope_per_hour(samples, lambda s: s["v"], after_s=300, disturbed=((350.0, 470.0),)) == pytest.approx(
         0.0, abs=0.5)
+
+
+def test_an_orphaned_process_of_the_job_is_still_sampled_with_its_children():
+    # A driver (sh) whose executor (sh) runs a rank (sleep): the driver killed, the executor and its rank live on
+    # outside the tree the job's pids lead to, as a killed driver's executors do until the next one adopts them.
+    driver = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60 & wait' & wait"])
+    try:
+        for _ in range(100):
+            known = job_processes([driver.pid], {})
+            if len(known) == 3:
+                break
+            time.sleep(0.05)
+        executor_and_rank = set(known) - {driver.pid}
+        assert len(executor_and_rank) == 2
+        driver.kill()
+        driver.wait()
+        assert job_processes([driver.pid], {}) == {}  # from the job's pids alone: lost
+        assert set(job_processes([driver.pid], known)) == executor_and_rank  # still sampled
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+        for pid in list(known):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
 
 
 def test_process_kinds_name_modules_and_binaries():
