@@ -409,9 +409,12 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
                                    if any(x is not None for x in v) else None} for k, v in sorted(by_kind.items())},
         "steps": max((m["step"] for m in metrics), default=0),
         "step_s_median": round(step_s, 3),
-        # per process kind, the steepest of any one long-lived process (process_slopes), and how many there were
-        "rss_slope_mb_per_hour": {k: v["worst"] for k, v in per_process["rss_mb"].items()},
-        "anon_rss_slope_mb_per_hour": {k: v["worst"] for k, v in per_process["anon_mb"].items()},
+        # per process kind (process_slopes): memory pooled over its long-lived processes and the steepest of
+        # them; descriptors and threads the steepest; how many processes there were
+        "rss_slope_mb_per_hour": {k: v["pooled"] for k, v in per_process["rss_mb"].items()},
+        "anon_rss_slope_mb_per_hour": {k: v["pooled"] for k, v in per_process["anon_mb"].items()},
+        "rss_slope_steepest_process_mb_per_hour": {k: v["worst"] for k, v in per_process["rss_mb"].items()},
+        "anon_rss_slope_steepest_process_mb_per_hour": {k: v["worst"] for k, v in per_process["anon_mb"].items()},
         "fds_slope_per_hour": {k: v["worst"] for k, v in per_process["fds"].items()},
         "threads_slope_per_hour": {k: v["worst"] for k, v in per_process["threads"].items()},
         "slope_processes": {k: v["processes"] for k, v in per_process["rss_mb"].items()},

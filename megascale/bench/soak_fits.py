@@ -20,38 +20,53 @@ def lost_seconds(progress: list[tuple[float, int]], injected: float, step_s: flo
 Windows = tuple[tuple[float, float], ...]  # (wall start, end) of what a fault disturbed
 
 
+def fit_points(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float,
+               disturbed: Windows = ()) -> tuple[np.ndarray, np.ndarray]:
+    """(hours, values) of the samples from `after_s` past the first, those taken in a `disturbed` window left
+    out: a rank rebuilding its model in a restart reads ~8 MB under its steady level for a sample or two, and
+    the return to that level would be fitted as growth."""
+    start = samples[0]["time"] if samples else 0
+    points = [((s["time"] - start) / 3600.0, v) for s in samples if s["time"] - start >= after_s
+              and not any(lo <= s["time"] < hi for lo, hi in disturbed) and (v := value(s)) is not None]
+    return (np.array([t for t, _ in points], dtype=float), np.array([v for _, v in points], dtype=float))
+
+
 def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float,
                    disturbed: Windows = ()) -> Optional[float]:
-    """Per hour, a line through the samples from `after_s` past the first, those taken in a `disturbed` window
-    left out: a rank rebuilding its model in a restart reads ~8 MB under its steady level for a sample or two,
-    and the return to that level would be fitted as growth."""
-    start = samples[0]["time"] if samples else 0
-    points = [(s["time"] - start, v) for s in samples if s["time"] - start >= after_s
-              and not any(lo <= s["time"] < hi for lo, hi in disturbed) and (v := value(s)) is not None]
-    if len(points) < 3:
+    """Per hour, a line through `fit_points`; None with fewer than 3."""
+    t, v = fit_points(samples, value, after_s, disturbed)
+    if len(t) < 3:
         return None
-    t, v = np.array(points).T
-    return round(float(np.polyfit(t / 3600.0, v, 1)[0]), 2)
+    return round(float(np.polyfit(t, v, 1)[0]), 2)
 
 
 def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float,
                    disturbed: Windows = ()) -> dict[str, dict]:
-    """Per process kind, the steepest per-hour slope of `field` of any one process, fitted over its samples
-    after its own first `after_s` (its warm-up), and how many processes were sampled for `min_span_s` or more
-    after that. Summing a kind's processes instead counts those that faults start and end as leaks."""
+    """Per process kind, from each process sampled for `min_span_s` or more after its own first `after_s` (its
+    warm-up): `pooled`, one per-hour slope of `field` fitted through all of them, each about its own level
+    (a leak common to the kind's processes, with all their samples behind it); `worst`, the steepest of any one
+    of them (a leak of one process, but on 10-20-minute lives also the largest of several ±2 MB wanders);
+    `processes`, how many. Summing a kind's processes instead counts those that faults start and end as leaks."""
     lives: dict[str, list[dict]] = {}
     for sample in samples:
         for key, proc in sample.get("processes", {}).items():
             lives.setdefault(key, []).append({"time": sample["time"], **proc})
     out: dict[str, dict] = {}
+    centred: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for life in lives.values():
-        kind = out.setdefault(life[0]["kind"], {"worst": None, "processes": 0})
+        kind = out.setdefault(life[0]["kind"], {"pooled": None, "worst": None, "processes": 0})
         if life[-1]["time"] - life[0]["time"] - after_s < min_span_s:
             continue
-        slope = slope_per_hour(life, lambda s: s[field], after_s, disturbed)
-        if slope is not None:
-            kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
-            kind["processes"] += 1
+        t, v = fit_points(life, lambda s: s[field], after_s, disturbed)
+        if len(t) < 3:
+            continue
+        slope = round(float(np.polyfit(t, v, 1)[0]), 2)
+        kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
+        kind["processes"] += 1
+        centred.setdefault(life[0]["kind"], []).append((t - t.mean(), v - v.mean()))
+    for name, parts in centred.items():
+        t, v = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        out[name]["pooled"] = round(float(t @ v / (t @ t)), 2)
     return dict(sorted(out.items()))
 
 

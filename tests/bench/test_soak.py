@@ -130,7 +130,26 @@ def test_leak_slopes_are_per_process_so_processes_coming_and_going_are_not_leaks
     slopes = process_slopes(samples, "rss_mb", after_s=300, min_span_s=600)
     assert slopes["executor.rank"]["processes"] == 2  # the short-lived ones are not fitted
     assert slopes["executor.rank"]["worst"] == pytest.approx(6.0)  # the growing one: 0.05 MB per 30 s
+    assert slopes["executor.rank"]["pooled"] == pytest.approx(3.0)  # one of two growing: half of it
     assert process_slopes(samples, "fds", after_s=300, min_span_s=600)["executor.rank"]["worst"] == pytest.approx(0)
+
+
+def test_the_pooled_slope_fits_every_process_about_its_own_level_so_wander_averages_out():
+    # Four flat ranks at different levels, each wandering ±2 MB its own way over 15 minutes: each alone reads
+    # up to ~14 MB/h; fitted together, each about its own level, they read what they share: nothing.
+    wander = [(2.0, -2.0, 0.0), (-2.0, 2.0, 0.0), (0.0, -2.0, 2.0), (0.0, 2.0, -2.0)]
+    samples = []
+    for i in range(61):  # every 30 s for 30 minutes; the wander in thirds of the last 20
+        third = min(2, max(0, (i - 20) // 14))
+        samples.append({"time": 30.0 * i, "processes": {f"{r}@0": {"kind": "executor.rank",
+                                                                    "anon_mb": 230.0 + 5 * r + w[third]}
+                                                         for r, w in enumerate(wander)}})
+    slopes = process_slopes(samples, "anon_mb", after_s=300, min_span_s=600)["executor.rank"]
+    assert slopes["worst"] > 5.0 and slopes["pooled"] == pytest.approx(0.0, abs=0.01)
+    leaking = [{"time": s["time"], "processes": {k: {**p, "anon_mb": p["anon_mb"] + 0.05 * n}
+                                                 for k, p in s["processes"].items()}}
+               for n, s in enumerate(samples)]  # all four 6 MB/h more: the pooled slope sees it
+    assert process_slopes(leaking, "anon_mb", 300, 600)["executor.rank"]["pooled"] == pytest.approx(6.0)
 
 
 def test_a_standby_that_becomes_a_rank_starts_a_new_life():
@@ -146,7 +165,7 @@ def test_a_standby_that_becomes_a_rank_starts_a_new_life():
                                                                "threads": threads}}})
     assert {k for s in samples for k in s["processes"]} == {"7@12.50/standby", "7@12.50"}
     slopes = process_slopes(samples, "rss_mb", after_s=60, min_span_s=240)
-    assert slopes["executor.rank"] == {"worst": pytest.approx(0.0), "processes": 2}
+    assert slopes["executor.rank"] == {"pooled": pytest.approx(0.0), "worst": pytest.approx(0.0), "processes": 2}
     assert life_key(7, 12.5, ["/venv/bin/python", "-m", "megascale.executor.rank", "spec.json"], 1) == "7@12.50"
 
 
@@ -157,7 +176,8 @@ def test_the_raw_samples_are_saved_to_refit_and_a_bad_path_fails_before_the_run(
     path = tmp_path / "samples.json"
     save_samples(path, soak, injected=[{"kind": "kill-rank", "time": 12.0}], metrics=[{"step": 1, "loss": 2.0}])
     saved = json.loads(path.read_text())
-    assert process_slopes(saved["samples"], "rss_mb", 300, 600) == {"driver": {"worst": pytest.approx(120.0),
+    assert process_slopes(saved["samples"], "rss_mb", 300, 600) == {"driver": {"pooled": pytest.approx(120.0),
+                                                                               "worst": pytest.approx(120.0),
                                                                                "processes": 1}}
     assert saved["injected"][0]["kind"] == "kill-rank" and saved["metrics"] == [{"step": 1, "loss": 2.0}]
     with pytest.raises(BenchFailed, match=r"^--samples .*/no/samples.json: No such file or directory$"):
