@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import psutil
@@ -79,12 +80,14 @@ def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
         mp.spawn(_rank, args=(root, cycles, steps), nprocs=RANKS)
         anon = [json.loads((Path(root) / f"anon-{rank}.json").read_text()) for rank in range(RANKS)]
     return {"ranks": RANKS, "layout": "tp2", "steps_per_incarnation": steps, "anon_mb": anon,
-            "mb_per_100_incarnations": max(growth_per_100(series) for series in anon)}
+            "mb_per_100_incarnations": max((g for series in anon if (g := growth_per_100(series)) is not None),
+                                           default=None)}
 
 
-def growth_per_100(series: list[float]) -> float:
-    """MB per 100 incarnations, a line fitted through the second half of `series` (one point per incarnation)."""
+def growth_per_100(series: list[float]) -> Optional[float]:
+    """MB per 100 incarnations, a line fitted through the second half of `series` (one point per incarnation);
+    None with fewer than 8 incarnations, whose second half is still the heap's warm-up (about 5)."""
+    if len(series) < 8:
+        return None
     half = series[len(series) // 2:]
-    if len(half) < 2:
-        return 0.0
     return round(float(np.polyfit(np.arange(len(half)), half, 1)[0]) * 100, 1)

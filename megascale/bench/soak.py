@@ -390,7 +390,8 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
     span = soak.samples[-1]["time"] - soak.samples[0]["time"] if soak.samples else 0.0
     after = 300.0 if span >= 600 else 60.0  # slopes after the first 5 minutes (1 in a short run)
     lived = 600.0 if span >= 600 else 60.0  # ... of processes sampled this long after their own first `after`
-    disturbed = tuple((f["time"], f["time"] + FAULT_SETTLE_S) for f in injected)
+    settle = min(FAULT_SETTLE_S, interval / 2)  # --quick injects every ~30 s: a minute each would leave nothing
+    disturbed = tuple((f["time"], f["time"] + settle) for f in injected)
     per_process = {name: process_slopes(soak.samples, name, after, lived, disturbed)
                    for name in ("rss_mb", "anon_mb", "fds", "threads")}
     return {

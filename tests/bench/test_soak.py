@@ -75,7 +75,7 @@ def test_growth_per_incarnation_is_fitted_past_the_heaps_warm_up():
     assert abs(growth_per_100(warm_then_flat)) < 5.0  # +5.9 MB over its first 6, then flat
     leaking = [200.0 + 0.1 * i for i in range(12)]
     assert growth_per_100(leaking) == pytest.approx(10.0)  # 0.1 MB each incarnation, to the end
-    assert growth_per_100([200.0, 201.0]) == 0.0  # one point past the warm-up: nothing to fit
+    assert growth_per_100(leaking[:4]) is None  # --quick's 4 incarnations: all warm-up, nothing to fit
 
 
 def test_a_sample_taken_while_a_fault_disturbs_is_left_out_of_the_slope():
