@@ -255,10 +255,10 @@ class Driver:
         elif desired == "paused":
             self._pause(rec, "paused by user")
         elif all_succeeded(rec, self.ingest.nodes, self.cfg.ranks_per_node):
-            # A rank exits 0 only after train.steps; a short last incarnation can end between heartbeats.
-            step = seen.get("step") or self.cfg.train.steps
+            # A rank exits 0 only after train.steps; the last heartbeats may show an earlier step (a short
+            # last incarnation ends between heartbeats, or its final one is still on its way).
             timings.note_progress(rec, self.cfg.train.steps, time.time())  # the steps after the last heartbeat
-            self.move(rec, JobState.SUCCEEDED, f"trained to step {step}")
+            self.move(rec, JobState.SUCCEEDED, f"trained to step {self.cfg.train.steps}")
 
     def _recovering(self, rec: JobRecord, desired: str) -> None:
         self.recoverer.step(rec)
@@ -360,6 +360,8 @@ class Driver:
                 waiting=f"{hb.waiting} ({time.time() - hb.waiting_since:.0f} s)"
                 if hb and hb.waiting and hb.waiting_since and hb.incarnation == rec.incarnation else ""))
         seen = progress(rec, self.ingest.nodes)
+        if rec.state == JobState.SUCCEEDED:  # every rank exited 0: trained to the end, whatever the heartbeats showed
+            seen["step"] = self.cfg.train.steps
         return JobStatus(job=self.job, state=rec.state.value, reason=rec.reason, incarnation=rec.incarnation,
                          restarts=rec.restarts, total_steps=self.cfg.train.steps, step=seen.get("step"),
                          loss=seen.get("loss"), tokens_per_s=seen.get("tokens_per_s"), val_step=seen.get("val_step"),
