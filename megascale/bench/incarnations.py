@@ -17,17 +17,13 @@ from typing import Optional
 import numpy as np
 import psutil
 
+from megascale.bench.soak_fits import anon_mb
+
 RANKS = 2
 
 
 class _Leave(BaseException):
     """Raised in the reporting rank's step callback: the rank leaves mid-incarnation, as at the executor's order."""
-
-
-def _anon_mb() -> float:
-    """As the soak samples its processes: resident less shared (file-backed) pages."""
-    memory = psutil.Process().memory_info()
-    return (memory.rss - memory.shared) / 2**20
 
 
 def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
@@ -67,7 +63,7 @@ def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
         abort_rank()
         shutdown_rank(ctx)
         release()
-        anon.append(round(_anon_mb(), 1))
+        anon.append(round(anon_mb(psutil.Process().memory_info()), 1))
     (Path(root) / f"anon-{rank}.json").write_text(json.dumps(anon))
 
 

@@ -40,7 +40,7 @@ from kafka import KafkaConsumer, TopicPartition
 import megascale.data
 from megascale.bench import BenchFailed
 from megascale.bench.incarnations import incarnation_memory
-from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
+from megascale.bench.soak_fits import anon_mb, lost_seconds, process_slopes, slope_per_hour, step_time_drift
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
@@ -163,11 +163,9 @@ class Soak:
                     if not cmdline:  # a zombie between its exit and its parent's wait
                         continue
                     threads, memory = p.num_threads(), p.memory_info()
-                    # anon: RSS less its file-backed and shared-memory pages (libraries, the loader's ring,
-                    # checkpoint segments), which come and go as they are touched; a leak grows here
                     processes[life_key(p.pid, p.create_time(), cmdline, threads)] = {
                         "kind": process_kind(cmdline), "rss_mb": memory.rss / 2**20,
-                        "anon_mb": (memory.rss - memory.shared) / 2**20, "fds": p.num_fds(), "threads": threads}
+                        "anon_mb": anon_mb(memory), "fds": p.num_fds(), "threads": threads}
             except psutil.Error:
                 continue
         out = {"time": time.time(), "processes": processes, "shm_segments": len(os.listdir("/dev/shm"))}
@@ -204,7 +202,11 @@ def job_processes(pids: Iterable[int], known: dict[int, psutil.Process]) -> dict
     executors outlive it (the next driver adopts them), reparented out of the supervisor's tree: looked for
     only there, they and their ranks went unsampled from a kill-driver to the end of the run."""
     found: dict[int, psutil.Process] = {}
-    roots = [*known.values()]
+    roots = []  # a known process whose parent is known too is found again below that parent
+    for p in known.values():
+        with contextlib.suppress(psutil.Error):
+            if p.ppid() not in known:
+                roots.append(p)
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             roots.append(psutil.Process(pid))

@@ -31,13 +31,24 @@ def fit_points(samples: list[dict], value: Callable[[dict], Optional[float]], af
     return (np.array([t for t, _ in points], dtype=float), np.array([v for _, v in points], dtype=float))
 
 
+def anon_mb(memory) -> float:
+    """A process's anonymous memory in MB from its `psutil` memory_info: resident less its file-backed and
+    shared-memory pages (libraries, the loader's ring, checkpoint segments), which come and go as they are
+    touched; a leak grows here."""
+    return (memory.rss - memory.shared) / 2**20
+
+
+def _slope(t: np.ndarray, v: np.ndarray) -> float:
+    return round(float(np.polyfit(t, v, 1)[0]), 2)
+
+
 def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float,
                    disturbed: Windows = ()) -> Optional[float]:
     """Per hour, a line through `fit_points`; None with fewer than 3."""
     t, v = fit_points(samples, value, after_s, disturbed)
     if len(t) < 3:
         return None
-    return round(float(np.polyfit(t, v, 1)[0]), 2)
+    return _slope(t, v)
 
 
 def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float,
@@ -60,7 +71,7 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
         t, v = fit_points(life, lambda s: s[field], after_s, disturbed)
         if len(t) < 3:
             continue
-        slope = round(float(np.polyfit(t, v, 1)[0]), 2)
+        slope = _slope(t, v)
         kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
         kind["processes"] += 1
         centred.setdefault(life[0]["kind"], []).append((t - t.mean(), v - v.mean()))
