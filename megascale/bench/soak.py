@@ -40,7 +40,9 @@ from kafka import KafkaConsumer, TopicPartition
 import megascale.data
 from megascale.bench import BenchFailed
 from megascale.bench.incarnations import incarnation_memory
-from megascale.bench.soak_fits import anon_mb, lost_seconds, process_slopes, slope_per_hour, step_time_drift
+from megascale.bench.loader_memory import loader_memory
+from megascale.bench.soak_fits import (anon_mb, file_pages_added, lost_seconds, process_slopes, slope_per_hour,
+                                       step_time_drift)
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
@@ -312,6 +314,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(21)
     # before the job, alone on the CPUs: what each in-process restart leaves in a rank, apart from time
     per_incarnation = incarnation_memory(cycles=4 if quick else 16)
+    per_batch = loader_memory(batches=10_000 if quick else 100_000)
     shm_before, tmp_before = set(os.listdir("/dev/shm")), {n for n in os.listdir(tempfile.gettempdir())
                                                              if "megascale" in n}
     with tempfile.TemporaryDirectory(prefix="megascale-bench-soak-") as tmp:
@@ -341,7 +344,11 @@ def run(args: argparse.Namespace) -> dict:
     result = report(soak, injected, final_status, metrics, losses, left, interval)
     if samples_file:
         save_samples(Path(samples_file), soak, injected, metrics)
-    return {**result, "rank_memory_by_incarnation": per_incarnation, "minutes": round((time.time() - started) / 60, 1),
+    growth = per_batch["rss_mb_per_100k_batches"]  # a node's loader packs a batch a step: per hour of this job
+    per_batch["rss_mb_per_hour_at_this_jobs_rate"] = (round(growth * 3600 / result["step_s_median"] / 1e5, 2)
+                                                     if growth is not None and result["step_s_median"] else None)
+    return {**result, "rank_memory_by_incarnation": per_incarnation, "loader_memory_by_batches": per_batch,
+            "minutes": round((time.time() - started) / 60, 1),
             "redis_keys_at_end": keys}
 
 
@@ -421,6 +428,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "fds_slope_per_hour": {k: v["worst"] for k, v in per_process["fds"].items()},
         "threads_slope_per_hour": {k: v["worst"] for k, v in per_process["threads"].items()},
         "slope_processes": {k: v["processes"] for k, v in per_process["rss_mb"].items()},
+        "rank_file_pages_mb_added_per_fault": file_pages_added(soak.samples, injected, settle),
         "shm_segments_slope_per_hour": slope_per_hour(soak.samples, lambda s: s["shm_segments"], after, disturbed),
         "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after, disturbed),
         "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after, disturbed),

@@ -81,6 +81,27 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
     return dict(sorted(out.items()))
 
 
+def file_pages_added(samples: list[dict], injected: list[dict], settle_s: float,
+                     kind: str = "executor.rank") -> dict[str, Optional[float]]:
+    """The MB of file-backed pages (RSS less anonymous: library code, mapped files) that the `kind` processes
+    living through a fault added across it (the last sample before it to the first `settle_s` after), on
+    average, for a fault of a kind not seen before (`first`: a recovery runs code no earlier one ran) and a
+    repeat (`repeat`): pages of code run once stay resident, so a leak here grows on repeats too."""
+    added: dict[str, list[float]] = {"first": [], "repeat": []}
+    seen: set[str] = set()
+    for fault in injected:
+        before = next((s for s in reversed(samples) if s["time"] < fault["time"]), None)
+        after = next((s for s in samples if s["time"] >= fault["time"] + settle_s), None)
+        if before is not None and after is not None:
+            lives = [(before["processes"][key], proc) for key, proc in after["processes"].items()
+                     if proc["kind"] == kind and key in before["processes"]]
+            if lives:
+                added["repeat" if fault["kind"] in seen else "first"].append(statistics.fmean(
+                    (a["rss_mb"] - a["anon_mb"]) - (b["rss_mb"] - b["anon_mb"]) for b, a in lives))
+        seen.add(fault["kind"])
+    return {k: round(statistics.fmean(v), 2) if v else None for k, v in added.items()}
+
+
 def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
     """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
     leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows

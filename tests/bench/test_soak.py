@@ -18,7 +18,8 @@ import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import job_processes, life_key, process_kind, run, save_samples
 from megascale.bench.incarnations import growth_per_100
-from megascale.bench.soak_fits import lost_seconds, process_slopes, slope_per_hour, step_time_drift
+from megascale.bench.loader_memory import loader_memory
+from megascale.bench.soak_fits import file_pages_added, lost_seconds, process_slopes, slope_per_hour, step_time_drift
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
@@ -222,6 +223,28 @@ def test_a_sample_counts_shared_pages_in_rss_but_not_in_anon():
     finally:
         child.stdin.close()
         child.wait(timeout=10)
+
+
+def test_file_pages_a_fault_adds_are_split_into_a_kinds_first_and_its_repeats():
+    def sample(at: float, file_mb: dict[str, float]) -> dict:
+        return {"time": at, "processes": {key: {"kind": "executor.rank", "rss_mb": 100.0 + mb, "anon_mb": 100.0}
+                                          for key, mb in file_mb.items()}}
+
+    samples = [sample(0, {"r0": 10, "r1": 10}), sample(30, {"r0": 12, "r1": 14}),  # the first kill: 3 on average
+               sample(60, {"r0": 12, "r1": 14}), sample(90, {"r0": 13, "r2": 50}),  # the first hang: +1
+               sample(120, {"r0": 13, "r2": 50}), sample(150, {"r0": 13, "r2": 50})]  # a repeated kill: 0
+    injected = [{"kind": "kill-rank", "time": 10}, {"kind": "hang", "time": 70}, {"kind": "kill-rank", "time": 130}]
+    # r2 started in the hang's recovery and r1 ended in it: neither lived through it. First: (3 + 1) / 2
+    assert file_pages_added(samples, injected, settle_s=15) == {"first": 2.0, "repeat": 0.0}
+    assert file_pages_added(samples[:1], injected, settle_s=15) == {"first": None, "repeat": None}
+
+
+def test_the_loader_is_read_every_thousand_batches_and_leaves_nothing_running():
+    result = loader_memory(batches=2000)
+    assert len(result["anon_mb"]) == len(result["rss_mb"]) == 2 and result["batches_per_s"] > 0
+    assert 0 < result["anon_mb"][-1] < result["rss_mb"][-1]
+    assert result["anon_mb_per_100k_batches"] is None  # 2 reads: nothing past the warm-up to fit
+    assert psutil.Process().children() == []
 
 
 def test_minutes_and_fault_interval_refuse_nan_inf_and_negatives_in_one_line(capsys, monkeypatch):
