@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Optional
 
-import numpy as np
 import psutil
 
-from megascale.bench.soak_fits import anon_mb
+from megascale.bench.soak_fits import anon_mb, growth_per_100
 
 RANKS = 2
 
@@ -79,11 +77,3 @@ def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
             "mb_per_100_incarnations": max((g for series in anon if (g := growth_per_100(series)) is not None),
                                            default=None)}
 
-
-def growth_per_100(series: list[float]) -> Optional[float]:
-    """MB per 100 incarnations, a line fitted through the second half of `series` (one point per incarnation);
-    None with fewer than 8 incarnations, whose second half is still the heap's warm-up (about 5)."""
-    if len(series) < 8:
-        return None
-    half = series[len(series) // 2:]
-    return round(float(np.polyfit(np.arange(len(half)), half, 1)[0]) * 100, 1)

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from megascale.bench.incarnations import growth_per_100
-from megascale.bench.soak_fits import anon_mb
+from megascale.bench.soak_fits import anon_mb, growth_per_100
 
 EVERY = 1000  # batches between reads: growth per 100 reads is growth per 100,000 batches
 

@@ -39,7 +39,7 @@ def anon_mb(memory) -> float:
 
 
 def _slope(t: np.ndarray, v: np.ndarray) -> float:
-    return round(float(np.polyfit(t, v, 1)[0]), 2)
+    return float(np.polyfit(t, v, 1)[0])
 
 
 def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]], after_s: float,
@@ -48,7 +48,17 @@ def slope_per_hour(samples: list[dict], value: Callable[[dict], Optional[float]]
     t, v = fit_points(samples, value, after_s, disturbed)
     if len(t) < 3:
         return None
-    return _slope(t, v)
+    return round(_slope(t, v), 2)
+
+
+def growth_per_100(series: list[float]) -> Optional[float]:
+    """Growth per 100 points of `series` (one per incarnation, or per 1,000 batches a loader served), a line
+    fitted through its second half; None with fewer than 8 points, whose second half is still the heap's
+    warm-up (about 5 incarnations)."""
+    if len(series) < 8:
+        return None
+    half = series[len(series) // 2:]
+    return round(_slope(np.arange(len(half)), np.array(half, dtype=float)) * 100, 1)
 
 
 def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: float,
@@ -71,7 +81,7 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
         t, v = fit_points(life, lambda s: s[field], after_s, disturbed)
         if len(t) < 3:
             continue
-        slope = _slope(t, v)
+        slope = round(_slope(t, v), 2)
         kind["worst"] = slope if kind["worst"] is None else max(kind["worst"], slope)
         kind["processes"] += 1
         centred.setdefault(life[0]["kind"], []).append((t - t.mean(), v - v.mean()))

@@ -17,9 +17,9 @@ import pytest
 import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import job_processes, life_key, process_kind, run, save_samples
-from megascale.bench.incarnations import growth_per_100
 from megascale.bench.loader_memory import loader_memory
-from megascale.bench.soak_fits import file_pages_added, lost_seconds, process_slopes, slope_per_hour, step_time_drift
+from megascale.bench.soak_fits import (file_pages_added, growth_per_100, lost_seconds, process_slopes, slope_per_hour,
+                                       step_time_drift)
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
