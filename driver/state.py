@@ -102,6 +102,7 @@ class Recovery:
     fault: Fault
     timeline: Optional[Timeline]  # None once training caught up: its figures are in JobRecord.recoveries
     suspects: list[str] = field(default_factory=list)  # nodes the self-check starts from
+    later: list[str] = field(default_factory=list)  # nodes to self-check beside the restarted ranks
     bad: dict[str, str] = field(default_factory=dict)  # node -> why its self-check failed
     rechecked: list[str] = field(default_factory=list)  # nodes given their one retry (control.crashed_selfcheck)
 

@@ -9,7 +9,7 @@ Nodes also leave service outside a recovery: evicted by the user, or a spare tha
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol
 
 from megascale.config import JobConfig
 from megascale.elastic import layout_at
@@ -81,19 +81,19 @@ class Recoverer:
             for node in sorted(silent | (set(unanswered) if timed_out else set())):
                 slot = rec.slot(node)
                 slot.dead = slot.dead or ("no heartbeat" if node in silent else "no acknowledgement")
-            if later := selfcheck.in_background(rec, recovery, cfg, host.liveness.gone):
-                host.event("info", f"restarting at once; self-check of {', '.join(later)} beside the new ranks "
-                           f"({ctl.selfcheck_checks})", rec, nodes=later)
-                self._decide(rec, recovery, later)
-                return
-            targets = selfcheck.targets(rec, recovery, cfg, host.liveness.gone)
-            if not targets:
+            now, recovery.later = selfcheck.plan(rec, recovery, cfg, host.liveness.gone)
+            beside = (f"self-check of {', '.join(recovery.later)} beside the new ranks ({ctl.selfcheck_checks})"
+                      if recovery.later else "")
+            if not now:
+                if beside:
+                    host.event("info", f"restarting at once; {beside}", rec, nodes=recovery.later)
                 self._decide(rec, recovery)
                 return
-            recovery.suspects = targets
-            for node in targets:  # checked now: a background check still running there is superseded
+            recovery.suspects = now
+            for node in now:  # checked now: a background check still running there is superseded
                 rec.checking.pop(node, None)
-            host.event("info", f"self-check of {', '.join(targets)} ({ctl.selfcheck_checks})", rec, nodes=targets)
+            host.event("info", f"self-check of {', '.join(now)} ({ctl.selfcheck_checks})"
+                       + (f"; {beside}" if beside else ""), rec, nodes=now)
             host.commands.await_phase(rec, Phase.SELFCHECK)
         if rec.phase is Phase.SELFCHECK:
             answered = self._collect(rec, lambda slot: selfcheck.request(cfg, host.store.take_injection(slot.node)),
@@ -117,8 +117,8 @@ class Recoverer:
             return None
         return failed, unanswered, timed_out
 
-    def _decide(self, rec: JobRecord, recovery: Recovery, later: Sequence[str] = ()) -> None:
-        """`later`: nodes to self-check beside the restarted ranks."""
+    def _decide(self, rec: JobRecord, recovery: Recovery) -> None:
+        """`recovery.later`: the nodes to self-check beside the restarted ranks (those still in service)."""
         host, fault = self.host, recovery.fault
         dead = sorted(s.node for s in rec.slots("active") if s.dead)
         if fault.kind == "straggler" and fault.node and rec.slot(fault.node) is not None:
@@ -137,8 +137,10 @@ class Recoverer:
                 self.evict(rec, node, why)
             rec.restarts += 0 if fault.kind in ("evicted", "selfcheck_failed") else 1
             self._place(rec)
-            for node in later:
-                selfcheck.send_background(rec, host.cfg, host.store, node)
+            for node in recovery.later:
+                slot = rec.slot(node)
+                if slot is not None and slot.role == "active" and not slot.dead:
+                    selfcheck.send_background(rec, host.cfg, host.store, node)
             if short := host.pool.missing(rec):
                 shrinks = " and no smaller dp fits" if host.cfg.control.no_spare == "shrink" else ""
                 host.move(rec, JobState.PAUSED, f"waiting for capacity: {short} node(s) short and no spare left"

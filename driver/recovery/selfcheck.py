@@ -1,12 +1,18 @@
 """Self-checks (MegaScale §4.3): the diagnostics suite (the `diagnose` command) on the nodes a fault points at;
 a node that fails it is evicted, one that passes is kept.
 
-Before the restart, for a fault whose cause may lie anywhere (a hang, a timeout, a dead node, a crash by an
-exception): the live suspects and every node sharing a communication group with them. Beside the restarted
-ranks, for a fault with a known node-local cause (a rank killed by a signal such as the OOM killer's, a CUDA
-OOM, a NaN loss): its node only; the restart does not wait, and a node that fails opens a recovery of its own
-(`selfcheck_failed`) that evicts it. The ranks' start-up (process start, imports, rendezvous, restore) takes
-longer than the check, so the check mostly shares the node with ranks that do not compute yet.
+Which nodes, and whether the restart waits (`plan`):
+- a fault with a known node-local cause (a rank killed by a signal such as the OOM killer's, a CUDA OOM, a NaN
+  loss): its node only, beside the restarted ranks;
+- a dead node (its executor exited or went silent): that node is the cause and is evicted unchecked (nothing
+  answers there); the live nodes sharing a communication group with it are checked beside the restarted ranks;
+- a hang localised to suspects: the suspects before the restart, their group peers beside it;
+- any other fault, whose cause may lie anywhere (a hang not localised, a timeout, a crash by an exception): the
+  live suspects (else the fault's node, else every node) and their group peers, before the restart.
+Beside the restart, the restart does not wait: a node that fails opens a recovery of its own (`selfcheck_failed`)
+that evicts it. The ranks' start-up (process start, imports, rendezvous, restore) takes longer than the check, so
+the check mostly shares the node with ranks that do not compute yet. The nodes checked before it are the likely
+culprits, so a restart does not put the job back on a bad node; the rest cost the restart nothing.
 
 Which checks: `control.selfcheck_checks` (GEMM by default). A fault checked before the restart may also be a
 link (a pulled cable times the ranks' collectives out): on an emulated network, where each node has a data link
@@ -45,20 +51,38 @@ def wanted(fault: Fault, cfg: JobConfig) -> bool:
         and not hardware(fault)
 
 
-def targets(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[str], bool]) -> list[str]:
-    """Live suspects (else the fault's node, else every node) and the nodes sharing a group with them;
-    none when recovery is manual, self-checks are off, or the user evicted the node already."""
+def plan(rec: JobRecord, recovery: Recovery, cfg: JobConfig,
+         gone: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """(the nodes to check before the restart, the nodes to check beside the restarted ranks): see the module's
+    docstring; none when recovery is manual, self-checks are off, or the user evicted the node already."""
     fault = recovery.fault
     if not wanted(fault, cfg):
-        return []
+        return [], []
+    if node_local(fault) and (own := _live(rec, recovery, {fault.node} if fault.node else set(), gone)):
+        return [], own
+    if (fault.kind == "node_dead" or node_local(fault)) and fault.node:  # its node is gone: as a dead node
+        return [], _live(rec, recovery, _with_peers(rec, cfg, {fault.node}) - {fault.node}, gone)
+    if fault.kind == "hang" and recovery.suspects:  # localised (localization.py): the suspects now
+        suspects = set(recovery.suspects)
+        return _live(rec, recovery, suspects, gone), _live(rec, recovery, _with_peers(rec, cfg, suspects) - suspects,
+                                                           gone)
     suspects = set(recovery.suspects) or ({fault.node} if fault.node else {s.node for s in rec.slots("active")})
+    return _live(rec, recovery, _with_peers(rec, cfg, suspects), gone), []
+
+
+def _with_peers(rec: JobRecord, cfg: JobConfig, nodes: set[str]) -> set[str]:
+    """`nodes` and every active node sharing a tp/pp/dp/embedding group with one of their ranks."""
     rpn, p = cfg.ranks_per_node, cfg.parallelism
     index = {s.index: s.node for s in rec.slots("active")}
-    ranks = {r for s in rec.slots("active") if s.node in suspects
-             for r in range(s.index * rpn, (s.index + 1) * rpn)}
+    ranks = {r for s in rec.slots("active") if s.node in nodes for r in range(s.index * rpn, (s.index + 1) * rpn)}
     peers = {index.get(r // rpn) for r in peers_of(ranks, group_members(p.tp, p.pp, p.dp))}
-    return sorted(n for n in (suspects | peers) - {None}  # type: ignore[operator]
-                  if not rec.slot(n).dead and not gone(n) and n not in recovery.bad)  # type: ignore[union-attr]
+    return nodes | {n for n in peers if n is not None}
+
+
+def _live(rec: JobRecord, recovery: Recovery, nodes: set[str], gone: Callable[[str], bool]) -> list[str]:
+    """Those of `nodes` a self-check can run on: active, alive, not found bad already."""
+    return sorted(n for n in nodes if (slot := rec.slot(n)) is not None and slot.role == "active"
+                  and not slot.dead and not gone(n) and n not in recovery.bad)
 
 
 def request(cfg: JobConfig, inject: dict, link_suspect: bool = True) -> dict:
@@ -117,15 +141,6 @@ def node_local(fault: Fault) -> bool:
         code = fault.detail.get("exit_code")
         return isinstance(code, int) and code < 0 and -code in NODE_LOCAL_SIGNALS  # Popen: -N = killed by N
     return fault.kind == "nan_loss" or (fault.kind == "rank_error" and fault.detail.get("error") == "oom")
-
-
-def in_background(rec: JobRecord, recovery: Recovery, cfg: JobConfig, gone: Callable[[str], bool]) -> list[str]:
-    """The node to check beside the restarted ranks: a node-local fault's, if alive and self-checks are on."""
-    ctl, node = cfg.control, recovery.fault.node
-    if not (ctl.auto_recover and ctl.selfcheck and node_local(recovery.fault)) or node is None:
-        return []
-    slot = rec.slot(node)
-    return [node] if slot is not None and slot.role == "active" and not slot.dead and not gone(node) else []
 
 
 def send_background(rec: JobRecord, cfg: JobConfig, store: JobStore, node: str, retried: bool = False) -> None:

@@ -49,8 +49,7 @@ def test_a_hardware_error_is_the_fault_even_when_its_rank_and_a_peer_failed_too(
     assert [f.kind for f in faults[1:]] == ["rank_failed"]
     recovery = Recovery(fault, timeline=None)
     assert not selfcheck.wanted(fault, cfg)  # the line is the evidence: no check before or beside the restart
-    assert selfcheck.targets(rec, recovery, cfg, gone=lambda node: False) == []
-    assert selfcheck.in_background(rec, recovery, cfg, gone=lambda node: False) == []
+    assert selfcheck.plan(rec, recovery, cfg, gone=lambda node: False) == ([], [])
 
 
 class StubBackend(Backend):

@@ -30,10 +30,24 @@ def crashed(node: str = "n0") -> Recovery:
 
 def test_self_check_covers_the_suspect_and_its_group_peers_only():
     rec, cfg = record(), config()
-    assert selfcheck.targets(rec, crashed(), cfg, gone=lambda node: False) == ["n0", "n1", "n2"]
-    assert selfcheck.targets(rec, crashed(), cfg, gone=lambda node: node == "n1") == ["n0", "n2"]
-    assert selfcheck.targets(rec, crashed(), config(selfcheck=False), gone=lambda node: False) == []
-    assert selfcheck.targets(rec, crashed(), config(auto_recover=False), gone=lambda node: False) == []
+    assert selfcheck.plan(rec, crashed(), cfg, gone=lambda node: False) == (["n0", "n1", "n2"], [])
+    assert selfcheck.plan(rec, crashed(), cfg, gone=lambda node: node == "n1") == (["n0", "n2"], [])
+    assert selfcheck.plan(rec, crashed(), config(selfcheck=False), gone=lambda node: False) == ([], [])
+    assert selfcheck.plan(rec, crashed(), config(auto_recover=False), gone=lambda node: False) == ([], [])
+
+
+def test_a_dead_node_restarts_at_once_and_a_localised_hang_checks_only_its_suspects_first():
+    rec, cfg = record(), config()
+    dead = Recovery(Fault("node_dead", "n0", "node n0: no heartbeat for 6.1 s"), timeline=None)
+    rec.slot("n0").dead = "no heartbeat"
+    assert selfcheck.plan(rec, dead, cfg, gone=lambda node: node == "n0") == ([], ["n1", "n2"])  # its peers
+    rec.slot("n0").dead = ""
+    hang = Recovery(Fault("hang", "n1", "no training progress"), timeline=None, suspects=["n1"])
+    assert selfcheck.plan(rec, hang, cfg, gone=lambda node: False) == (["n1"], ["n0", "n3"])  # its dp and pp peers
+    hang.bad["n0"] = "self-check failed: gemm.flops"  # found bad already: not checked again
+    assert selfcheck.plan(rec, hang, cfg, gone=lambda node: False) == (["n1"], ["n3"])
+    unlocalised = Recovery(Fault("hang", None, "no training progress"), timeline=None)
+    assert selfcheck.plan(rec, unlocalised, cfg, gone=lambda node: False) == (["n0", "n1", "n2", "n3"], [])
 
 
 def test_policy_restarts_evicting_the_dead_and_the_failed_until_restarts_run_out():

@@ -80,8 +80,9 @@ def test_no_spare_waits_paused_until_a_spare_is_added(tmp_path, capsys, wait):
 def test_hang_is_localised_and_checked_before_the_restart_by_a_driver_killed_in_every_phase(tmp_path, capsys, wait,
                                                                                             monkeypatch):
     """The driver is kill -9ed (driver/crashpoints.py) while starting the first incarnation, while stopping the
-    ranks, while self-checking (each time with one node sent the phase's command and the other not) and right
-    after the eviction: every restarted driver resumes from the job record, and the recovery ends as one."""
+    ranks (with one node sent the command and the other not), while self-checking the suspect (sent the command)
+    and right after the eviction: every restarted driver resumes from the job record, and the recovery ends as
+    one; the suspect's peer, checked beside the new ranks by a driver that restarted twice, is kept."""
     monkeypatch.setenv("MEGASCALE_DIAG_ALLOW_FAULTS", "1")  # executors honour injected self-check faults
     monkeypatch.setenv(crashpoints.ENV, "stop,diagnose,evict,start")
     job = launch(capsys, fast(tmp_path, "rc-hang", steps=100, selfcheck=True, selfcheck_budget_s=15), "rc-hang")
@@ -95,11 +96,13 @@ def test_hang_is_localised_and_checked_before_the_restart_by_a_driver_killed_in_
     assert "[1] never entered" in fault.message, fault
     roles = {s.node: s.role for s in rec.nodes}
     assert roles["n0"] == "evicted" and roles["n1"] == "active" and roles["n2"] == "active", roles
+    wait(lambda: "n1 passed its background self-check: kept" in events(job), 60, "n1's check beside the ranks")
     final = wait(job.ended, 60, "the job to end")
     assert final["state"] == "Succeeded", final
     log = events(job)
-    assert "hang localised to n0" in log and "self-check of n0, n1" in log and "beside" not in log
-    assert "n1 passed its self-check: kept" in log and log.count("evicted n0 (self-check failed: gemm.flops)") == 1
+    # The suspect is checked before the restart, its peer beside the new ranks.
+    assert "hang localised to n0" in log and "self-check of n0 (gemm); self-check of n1 beside the new ranks" in log
+    assert log.count("evicted n0 (self-check failed: gemm.flops)") == 1
     crashed = [line.split("crash point ")[1].split()[0] for line in log.splitlines() if "crash point" in line]
     assert crashed == ["'start'", "'stop'", "'diagnose'", "'evict'"], crashed  # `start`: the first incarnation's
     assert final["restarts"] == 1 and len(final["recoveries"]) == 1, final

@@ -142,7 +142,7 @@ def test_every_fault_kind_in_a_row_ends_on_the_uninterrupted_loss_trajectory(tmp
     # snapshot: n0's ranks trained on while frozen, so which source n1 uses depends on timing.)
     assert "(shards from storage: 1)" in last_restore(run_dir, 0) and "storage" in last_restore(run_dir, 1)
 
-    # 3. A rank of n1 stops, and n1's next self-check fails: hang localised, n1 evicted, n2 kept.
+    # 3. A rank of n1 stops, and n1's next self-check fails: hang localised, n1 evicted, n2 (its peer) kept.
     wait(two_more_steps(), 120, "training to go on")
     cli(capsys, "chaos", "gpt-rc", "slow", "--node", "n1")
     cli(capsys, "chaos", "gpt-rc", "hang", "--node", "n1", "--rank", "3")
@@ -150,7 +150,10 @@ def test_every_fault_kind_in_a_row_ends_on_the_uninterrupted_loss_trajectory(tmp
     rec = job.store.load()
     assert rec.recovery.fault.node == "n1" and rec.slot("n1").role == "evicted" and rec.slot("n3").role == "active"
     log = (run_dir / "driver.log").read_text()
-    assert "n2 passed its self-check: kept" in log and "evicted n1 (self-check failed: gemm.flops)" in log
+    assert "self-check of n1 (gemm); self-check of n2 beside the new ranks" in log
+    assert "evicted n1 (self-check failed: gemm.flops)" in log
+    wait(lambda: "n2 passed its background self-check: kept" in (run_dir / "driver.log").read_text(), 60,
+         "n2's self-check beside the new ranks")
 
     # 4. While the job is paused, the newest checkpoint is corrupted and a node dies; on resume the
     #    node is replaced and the restore sees the checksums fail and falls back one checkpoint.

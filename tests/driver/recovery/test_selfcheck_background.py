@@ -45,21 +45,22 @@ def result(store: Store, node: str, ok: bool, failed: tuple[str, ...] = ()) -> N
     store.results[node] = Ack(job="j", node=node, seq=len(store.sent), op="diagnose", ok=ok, detail=report)
 
 
-def test_only_faults_with_a_node_local_cause_are_checked_beside_the_restart():
-    def later(kind: str, **detail) -> list[str]:
+def test_only_faults_with_a_node_local_cause_or_a_dead_node_are_checked_beside_the_restart():
+    def plan(kind: str, gone=lambda node: False, **detail) -> tuple[list[str], list[str]]:
         recovery = Recovery(Fault(kind, "n1", "m", detail), timeline=None)  # type: ignore[arg-type]
-        return selfcheck.in_background(record(), recovery, config(), gone=lambda node: False)
+        return selfcheck.plan(record(), recovery, config(), gone=gone)
 
-    assert later("rank_failed", exit_code=-9) == ["n1"]  # kill -9, the OOM killer
-    assert later("rank_failed", exit_code=-11) == ["n1"]  # a segfault
-    assert later("nan_loss") == ["n1"] and later("rank_error", error="oom") == ["n1"]
-    assert later("rank_failed", exit_code=1) == []  # an exception: maybe a peer's timeout, check first
-    assert later("rank_failed", exit_code=-6) == []  # SIGABRT: the NCCL watchdog aborts a failed rank's peers
-    for kind in ("hang", "node_dead", "rank_error", "unresponsive"):
-        assert later(kind) == []
+    assert plan("rank_failed", exit_code=-9) == ([], ["n1"])  # kill -9, the OOM killer
+    assert plan("rank_failed", exit_code=-11) == ([], ["n1"])  # a segfault
+    assert plan("nan_loss") == ([], ["n1"]) and plan("rank_error", error="oom") == ([], ["n1"])
+    assert plan("rank_failed", exit_code=1) == (["n0", "n1"], [])  # an exception: maybe a peer's timeout, check first
+    assert plan("rank_failed", exit_code=-6) == (["n0", "n1"], [])  # SIGABRT: the NCCL watchdog aborts the peers
+    for kind in ("hang", "rank_error", "unresponsive"):
+        assert plan(kind) == (["n0", "n1"], [])
+    assert plan("node_dead", gone=lambda node: node == "n1") == ([], ["n0"])  # the dead node's peer, beside
+    assert plan("rank_failed", gone=lambda node: node == "n1", exit_code=-9) == ([], ["n0"])  # its node died too
     recovery = Recovery(Fault("rank_failed", "n1", "m", {"exit_code": -9}), timeline=None)
-    assert selfcheck.in_background(record(), recovery, config(selfcheck=False), gone=lambda node: False) == []
-    assert selfcheck.in_background(record(), recovery, config(), gone=lambda node: node == "n1") == []
+    assert selfcheck.plan(record(), recovery, config(selfcheck=False), gone=lambda node: False) == ([], [])
 
 
 def test_a_failed_background_check_is_a_fault_that_evicts_without_counting_a_restart():
