@@ -109,10 +109,11 @@ class Recovery:
 
 @dataclass
 class BackgroundCheck:
-    """A self-check running beside the restarted ranks (a node-local fault; driver/recovery/selfcheck.py)."""
+    """A self-check running beside the restarted ranks (a node-local fault's node, or a peer: recovery/selfcheck.py)."""
     seq: int  # of its `diagnose` command; the result comes under JobStore.selfchecks, not the acks
     sent: float  # epoch seconds
-    retried: bool = False  # control.crashed_selfcheck=retry: this is its second check
+    retried: bool = False  # no second check after a failure (control.crashed_selfcheck=retry gives the fault's
+    # own node one: this is it; a peer gets none)
 
 
 @dataclass

@@ -213,6 +213,9 @@ class Executor:
         if self.group and self.group.incarnation == incarnation:
             return True, f"incarnation {incarnation} already started"
         self.slow.stop()
+        if self.worker is not None:  # loaded for a self-check this recovery did not ask of this node: its torch
+            self.worker.close()      # import would otherwise idle beside the ranks until the next recovery
+            self.worker = None
         config = args["config"]
         kept: dict = {}
         if self.group and restarts_in_process(config):  # the same rank in the same place joins in its process

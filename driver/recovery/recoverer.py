@@ -140,7 +140,8 @@ class Recoverer:
             for node in recovery.later:
                 slot = rec.slot(node)
                 if slot is not None and slot.role == "active" and not slot.dead:
-                    selfcheck.send_background(rec, host.cfg, host.store, node)
+                    # control.crashed_selfcheck's second check is the fault's own node's, not its peers'
+                    selfcheck.send_background(rec, host.cfg, host.store, node, retried=node != fault.node)
             if short := host.pool.missing(rec):
                 shrinks = " and no smaller dp fits" if host.cfg.control.no_spare == "shrink" else ""
                 host.move(rec, JobState.PAUSED, f"waiting for capacity: {short} node(s) short and no spare left"

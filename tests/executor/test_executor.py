@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import redis
 
 from megascale.config import from_dict
@@ -121,6 +122,16 @@ def test_executor_runs_commands_and_heartbeats(redis_server, broker, tmp_path, w
         wait(beat(lambda b: b.phase == "diagnosing"), 20, "a diagnosing heartbeat")
         ack = wait(lambda: acked(n), 90, "diagnostics acknowledged")
         assert ack.ok and json.loads(ack.detail)["passed"] is True, ack.detail[-300:]
+
+        # A recovery's stop loads a self-check worker; a start that no check of this node came before ends it.
+        def workers() -> list[psutil.Process]:
+            return [c for c in psutil.Process(proc.pid).children() if "megascale.diagnostics.worker" in c.cmdline()]
+        n = send("stop", selfcheck=True)
+        wait(lambda: acked(n), 30, "stop acknowledged")
+        assert len(workers()) == 1
+        n = send("start", **start(4, 1000))
+        assert wait(lambda: acked(n), 30, "start acknowledged").ok
+        assert workers() == []
 
         n = send("exit")
         assert proc.wait(timeout=30) == 0

@@ -92,6 +92,10 @@ def test_a_passing_background_check_keeps_the_node_and_retry_checks_once_more():
     assert selfcheck.background_fault(rec, cfg, store, event) is None and rec.checking == {}
     assert events[-1] == "n1 passed its background self-check: kept", events
 
+    selfcheck.send_background(rec, cfg, store, "n0", retried=True)  # a peer of the fault's node: no second check
+    result(store, "n0", ok=False, failed=("gemm.flops",))
+    assert selfcheck.background_fault(rec, cfg, store, event).node == "n0" and len(store.sent) == 3
+
     rec.checking["n0"] = BackgroundCheck(seq=99, sent=time.time() - 1000)  # never answered
     assert selfcheck.background_fault(rec, cfg, store, event) is None and rec.checking == {}
     assert "no result of n0's background self-check; kept" in events
