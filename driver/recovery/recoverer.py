@@ -80,7 +80,8 @@ class Recoverer:
             _, unanswered, timed_out = answered
             for node in sorted(silent | (set(unanswered) if timed_out else set())):
                 slot = rec.slot(node)
-                slot.dead = slot.dead or ("no heartbeat" if node in silent else "no acknowledgement")
+                slot.dead = slot.dead or ("executor exited" if node in host.liveness.exited() else
+                                          "no heartbeat" if node in silent else "no acknowledgement")
             now, recovery.later = selfcheck.plan(rec, recovery, cfg, host.liveness.gone)
             beside = (f"self-check of {', '.join(recovery.later)} beside the new ranks ({ctl.selfcheck_checks})"
                       if recovery.later else "")

@@ -39,7 +39,7 @@ def test_kill_rank_then_kill_node_recover_automatically(tmp_path, capsys, wait):
     assert 0 < final["ettr"] <= 1 - (lost - 1.0) / (final["updated"] - rec.created), (final["ettr"], lost)
     log = events(job)
     assert "node n0: its executor exited" in log and "recovered from node_dead" in log
-    assert "evicted n0 (dead (no heartbeat)); n2 takes its place" in log
+    assert "evicted n0 (dead (executor exited)); n2 takes its place" in log
     job.assert_services_gone()
 
 
