@@ -138,11 +138,7 @@ class Recoverer:
                 self.evict(rec, node, why)
             rec.restarts += 0 if fault.kind in ("evicted", "selfcheck_failed") else 1
             self._place(rec)
-            for node in recovery.later:
-                slot = rec.slot(node)
-                if slot is not None and slot.role == "active" and not slot.dead:
-                    # control.crashed_selfcheck's second check is the fault's own node's, not its peers'
-                    selfcheck.send_background(rec, host.cfg, host.store, node, retried=node != fault.node)
+            selfcheck.send_later(rec, recovery, host.cfg, host.store)
             if short := host.pool.missing(rec):
                 shrinks = " and no smaller dp fits" if host.cfg.control.no_spare == "shrink" else ""
                 host.move(rec, JobState.PAUSED, f"waiting for capacity: {short} node(s) short and no spare left"

@@ -80,9 +80,13 @@ def _with_peers(rec: JobRecord, cfg: JobConfig, nodes: set[str]) -> set[str]:
 
 
 def _live(rec: JobRecord, recovery: Recovery, nodes: set[str], gone: Callable[[str], bool]) -> list[str]:
-    """Those of `nodes` a self-check can run on: active, alive, not found bad already."""
-    return sorted(n for n in nodes if (slot := rec.slot(n)) is not None and slot.role == "active"
-                  and not slot.dead and not gone(n) and n not in recovery.bad)
+    """Those of `nodes` a self-check can run on: in service, alive, not found bad already."""
+    return sorted(n for n in nodes if _in_service(rec, n) and not gone(n) and n not in recovery.bad)
+
+
+def _in_service(rec: JobRecord, node: str) -> bool:
+    slot = rec.slot(node)
+    return slot is not None and slot.role == "active" and not slot.dead
 
 
 def request(cfg: JobConfig, inject: dict, link_suspect: bool = True) -> dict:
@@ -141,6 +145,14 @@ def node_local(fault: Fault) -> bool:
         code = fault.detail.get("exit_code")
         return isinstance(code, int) and code < 0 and -code in NODE_LOCAL_SIGNALS  # Popen: -N = killed by N
     return fault.kind == "nan_loss" or (fault.kind == "rank_error" and fault.detail.get("error") == "oom")
+
+
+def send_later(rec: JobRecord, recovery: Recovery, cfg: JobConfig, store: JobStore) -> None:
+    """Starts the checks `plan` put beside the restart, on the nodes still in service after the decision's
+    evictions. control.crashed_selfcheck's second check is the fault's own node's: a peer gets none."""
+    for node in recovery.later:
+        if _in_service(rec, node):
+            send_background(rec, cfg, store, node, retried=node != recovery.fault.node)
 
 
 def send_background(rec: JobRecord, cfg: JobConfig, store: JobStore, node: str, retried: bool = False) -> None:
