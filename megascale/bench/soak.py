@@ -41,8 +41,8 @@ import megascale.data
 from megascale.bench import BenchFailed
 from megascale.bench.incarnations import incarnation_memory
 from megascale.bench.loader_memory import loader_memory
-from megascale.bench.soak_fits import (anon_mb, file_pages_added, lost_seconds, process_slopes, slope_per_hour,
-                                       step_time_drift)
+from megascale.bench.soak_fits import (anon_mb, cpu_cores_by_kind, file_pages_added, lost_seconds, process_slopes,
+                                       restart_ratios, slope_per_hour, step_time_drift)
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
@@ -164,10 +164,11 @@ class Soak:
                     cmdline = p.cmdline()
                     if not cmdline:  # a zombie between its exit and its parent's wait
                         continue
-                    threads, memory = p.num_threads(), p.memory_info()
+                    threads, memory, cpu = p.num_threads(), p.memory_info(), p.cpu_times()
                     processes[life_key(p.pid, p.create_time(), cmdline, threads)] = {
                         "kind": process_kind(cmdline), "rss_mb": memory.rss / 2**20,
-                        "anon_mb": anon_mb(memory), "fds": p.num_fds(), "threads": threads}
+                        "anon_mb": anon_mb(memory), "fds": p.num_fds(), "threads": threads,
+                        "cpu_s": cpu.user + cpu.system}
             except psutil.Error:
                 continue
         out = {"time": time.time(), "processes": processes, "shm_segments": len(os.listdir("/dev/shm"))}
@@ -435,6 +436,8 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "heartbeat_lag_max": max((s["heartbeat_lag"] for s in soak.samples if "heartbeat_lag" in s), default=None),
         "step_time_drift": step_time_drift(metrics, disturbed=disturbed),
         "step_time_drift_all_steps": step_time_drift(metrics),
+        "step_time_restart_ratios": restart_ratios(metrics, disturbed=disturbed),
+        "cpu_cores_by_kind": cpu_cores_by_kind(soak.samples, after, disturbed),
         **losses,
         "leftovers": left,
         "injected": [{k: f[k] for k in ("kind", "done", "recoveries", "lost_s", "phases_s")} for f in injected],

@@ -112,11 +112,8 @@ def file_pages_added(samples: list[dict], injected: list[dict], settle_s: float,
     return {k: round(statistics.fmean(v), 2) if v else None for k, v in added.items()}
 
 
-def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
-    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
-    leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
-    steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is
-    for what builds up (garbage collection, leaks), not for what a fault does at once."""
+def _incarnations(metrics: list[dict]) -> list[list[dict]]:
+    """The committed steps' metrics cut into runs of consecutive steps: one per incarnation (a replay restarts)."""
     runs, current = [], []
     for m in metrics:
         if current and m["step"] != current[-1]["step"] + 1:
@@ -124,11 +121,62 @@ def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = (
             current = []
         current.append(m)
     runs.append(current)
-    drifts = []
-    for run in runs:
-        times = [m["step_time"] for m in run[warmup:]
-                 if not any(lo <= m.get("timings", {}).get("start", -1.0) < hi for lo, hi in disturbed)]
-        if len(times) >= 50:
-            tenth = len(times) // 10
-            drifts.append(round(statistics.median(times[-tenth:]) / statistics.median(times[:tenth]), 3))
-    return drifts
+    return runs
+
+
+def _steady_times(run: list[dict], warmup: int, disturbed: Windows) -> list[float]:
+    """An incarnation's step times past its `warmup` steps, less those started within a `disturbed` window."""
+    return [m["step_time"] for m in run[warmup:]
+            if not any(lo <= m.get("timings", {}).get("start", -1.0) < hi for lo, hi in disturbed)]
+
+
+def _tenths(times: list[float]) -> Optional[tuple[float, float]]:
+    """Median step time of the first and of the last 10% of `times`; None under 50 (a tenth under 5 steps)."""
+    if len(times) < 50:
+        return None
+    tenth = len(times) // 10
+    return statistics.median(times[:tenth]), statistics.median(times[-tenth:])
+
+
+def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
+    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
+    leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
+    steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is
+    for what builds up (garbage collection, leaks), not for what a fault does at once."""
+    tenths = (_tenths(_steady_times(run, warmup, disturbed)) for run in _incarnations(metrics))
+    return [round(last / first, 3) for first, last in filter(None, tenths)]
+
+
+def restart_ratios(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
+    """Across each restart between two incarnations long enough for a drift, the median step time of the last
+    10% of the one before over the first 10% of the one after. What builds up in a rank's life (garbage, a
+    leak, a growing cache) a restart clears: the ratios sit above 1 as the drifts do. What slows the host
+    does not end at a restart: the ratios scatter about 1 whatever the drifts say."""
+    tenths = [_tenths(_steady_times(run, warmup, disturbed)) for run in _incarnations(metrics)]
+    return [round(before[1] / after[0], 3) for before, after in zip(tenths, tenths[1:]) if before and after]
+
+
+def cpu_cores_by_kind(samples: list[dict], after_s: float, disturbed: Windows = ()) -> dict[str, dict]:
+    """Per process kind, the cores its processes used (CPU seconds over wall seconds between two samples, for
+    processes in both) in the first and in the last 10% of the intervals from `after_s` past the first sample,
+    those ending in a `disturbed` window left out. On a node whose cores the ranks share with the control
+    plane, a driver, broker or Redis whose work grows with the job's age slows every step: it shows here."""
+    start = samples[0]["time"] if samples else 0
+    intervals: list[dict[str, float]] = []
+    for before, now in zip(samples, samples[1:]):
+        if now["time"] - start < after_s or any(lo <= now["time"] < hi for lo, hi in disturbed):
+            continue
+        cores: dict[str, float] = {}
+        for key, proc in now["processes"].items():
+            earlier = before["processes"].get(key)
+            if earlier is not None and "cpu_s" in proc and "cpu_s" in earlier:
+                cores[proc["kind"]] = (cores.get(proc["kind"], 0.0)
+                                       + (proc["cpu_s"] - earlier["cpu_s"]) / (now["time"] - before["time"]))
+        intervals.append(cores)
+    if len(intervals) < 2:
+        return {}
+    tenth = max(1, len(intervals) // 10)
+    kinds = sorted({kind for cores in intervals for kind in cores})
+    return {kind: {part: round(statistics.fmean(c.get(kind, 0.0) for c in window), 3)
+                   for part, window in (("first", intervals[:tenth]), ("last", intervals[-tenth:]))}
+            for kind in kinds}

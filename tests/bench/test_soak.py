@@ -18,8 +18,8 @@ import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import job_processes, life_key, process_kind, run, save_samples
 from megascale.bench.loader_memory import loader_memory
-from megascale.bench.soak_fits import (file_pages_added, growth_per_100, lost_seconds, process_slopes, slope_per_hour,
-                                       step_time_drift)
+from megascale.bench.soak_fits import (cpu_cores_by_kind, file_pages_added, growth_per_100, lost_seconds,
+                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift)
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
@@ -63,6 +63,36 @@ def test_drift_leaves_out_the_steps_a_fault_slowed_at_once():
     run = [{"step": s, "step_time": 2.0 if s >= 190 else 1.0, "timings": {"start": float(s)}} for s in range(200)]
     assert step_time_drift(run) == [2.0]
     assert step_time_drift(run, disturbed=((189.5, 250.0),)) == [1.0]
+
+
+def test_restart_ratios_tell_a_build_up_a_restart_clears_from_a_host_slowing_down():
+    def incarnations(step_time):  # three incarnations of 100 steps, the second and third replaying 20 steps
+        return [{"step": s, "step_time": step_time(i * 100 + k, k)}
+                for i, first in enumerate((1, 81, 161)) for k, s in enumerate(range(first, first + 100))]
+    build_up = incarnations(lambda wall, age: 1.0 + age * 0.005)  # slows with the rank's age, cleared by a restart
+    host = incarnations(lambda wall, age: 1.0 + wall * 0.001)  # slows with the wall clock, whatever the restarts
+    assert step_time_drift(build_up) == [pytest.approx(1.41, abs=0.01)] * 3
+    assert restart_ratios(build_up) == [pytest.approx(1.41, abs=0.01)] * 2
+    assert all(d > 1.07 for d in step_time_drift(host))
+    assert restart_ratios(host) == [pytest.approx(1.0, abs=0.02)] * 2
+    # a restart next to an incarnation too short for a drift has no ratio
+    assert restart_ratios(build_up[:100] + build_up[100:130]) == []
+
+
+def test_cpu_cores_are_per_kind_over_processes_seen_in_both_samples_first_and_last_tenth():
+    def sample(t, driver_cpu, rank_cpu, rank_key="r1"):
+        return {"time": t, "processes": {"d": {"kind": "driver", "cpu_s": driver_cpu},
+                                         rank_key: {"kind": "executor.rank", "cpu_s": rank_cpu}}}
+    # the driver's use grows from 0.1 to 0.3 cores (0.8 in the disturbed interval ending at t=90); the rank uses
+    # 1 core; the rank replacing it at t=70 has no interval until its second sample
+    driver = [0, 1, 2, 3, 4, 5, 6, 9, 12, 20, 23]
+    samples = ([sample(10.0 * i, driver[i], 10.0 * i) for i in range(7)]
+               + [sample(10.0 * i, driver[i], 10.0 * (i - 7), "r2") for i in range(7, 11)])
+    cores = cpu_cores_by_kind(samples, after_s=0.0, disturbed=((85.0, 95.0),))
+    assert cores["driver"] == {"first": pytest.approx(0.1), "last": pytest.approx(0.3)}
+    assert cores["executor.rank"]["first"] == pytest.approx(1.0)
+    assert cpu_cores_by_kind(samples, after_s=85.0)["driver"]["first"] == pytest.approx(0.8)
+    assert cpu_cores_by_kind(samples, after_s=85.0, disturbed=((85.0, 95.0),)) == {}  # one interval left
 
 
 def test_slope_is_fitted_after_the_warm_up_in_units_per_hour():
