@@ -61,6 +61,9 @@ DEFAULT_SEGMENTS = ("compute", "data")
 _EXACT_PEERS = 16  # larger groups use the median including the rank itself (cheaper, the same answer)
 _TRAIL = 16  # confidences a finding keeps (control.straggler_evict_after is at most this)
 _STALE_STEPS = 32  # a step this far behind the newest is judged with the ranks it has (a node went quiet)
+# findings a monitor remembers: an incarnation can last weeks, and a rank that keeps slowing and recovering
+# adds one (a few KB of evidence) each time; the driver reads only the standing ones
+REPORTED_KEEP = 1000
 
 
 @dataclass(frozen=True)
@@ -177,14 +180,15 @@ def peer_ratios(ranks: dict[int, dict], segment: str) -> dict[int, tuple[float, 
 
 
 class StragglerMonitor:
-    """Judges each step once it is complete, in order; keeps current findings and all reported so far.
+    """Judges each step once it is complete, in order; keeps current findings and the newest `keep_reported`
+    reported so far.
 
     Feed it one incarnation's records (a restart starts a new monitor): `update(records)` returns the
     findings that appeared and cleared since the previous call."""
 
     def __init__(self, ranks_per_node: int, *, segments: Sequence[str] = DEFAULT_SEGMENTS,
                  thresholds: Thresholds = Thresholds(), node_names: Optional[Sequence[str]] = None,
-                 world_size: Optional[int] = None):
+                 world_size: Optional[int] = None, keep_reported: int = REPORTED_KEEP):
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be at least 1, not {ranks_per_node}")
         self.ranks_per_node, self.segments, self.thresholds = ranks_per_node, segments, thresholds
@@ -196,7 +200,7 @@ class StragglerMonitor:
         self._judged = 0  # the newest step judged
         self._series: dict[tuple, Series] = {}
         self.current: dict[tuple, Finding] = {}
-        self.reported: list[Finding] = []  # every finding ever reported, cleared ones with cleared_at
+        self.reported: deque[Finding] = deque(maxlen=keep_reported)  # cleared ones with cleared_at
 
     # -- input -----------------------------------------------------------------------------
 

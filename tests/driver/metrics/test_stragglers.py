@@ -78,7 +78,7 @@ def slowed(steps: list[dict[int, dict]], ranks: list[int], factor: float, onset:
 
 def test_a_slow_rank_is_named_at_every_tp_dp_pp_position_and_nothing_on_a_fault_free_run(main_run):
     steps, onset = main_run[:80], 50
-    assert monitor_over(steps).reported == []  # the same 80 steps without a fault
+    assert not monitor_over(steps).reported  # the same 80 steps without a fault
     for rank in range(8):
         monitor = monitor_over(slowed(steps, [rank], 2.0, onset))
         assert len(monitor.reported) == 1, [describe(f) for f in monitor.reported]
@@ -104,10 +104,21 @@ def test_a_slow_tp_group_shows_as_dp_and_a_slow_stage_as_pp(main_run):
     assert describe(stage[0]).startswith("straggler: stage pp1 (ranks 4-7 on node1): compute ")
 
 
+def test_a_monitor_remembers_only_its_newest_findings(main_run):
+    steps = slowed(slowed(main_run[:100], [1], 2.0, onset=40), [6], 2.0, onset=70)
+    every = [(f.rank, f.since) for f in monitor_over(steps).reported]
+    assert len(every) >= 2 and {rank for rank, _ in every} == {1, 6}
+    newest = StragglerMonitor(MAIN_RANKS_PER_NODE, keep_reported=1)
+    for ranks in steps:
+        newest.update(ranks.values())
+    assert [(f.rank, f.since) for f in newest.reported] == every[-1:]
+    assert {f.rank for f in newest.current.values()} == {1, 6}  # what stands is kept whatever the history
+
+
 def test_warm_up_and_a_few_slow_steps_are_not_stragglers(main_run):
     steps = main_run[:80]
-    assert monitor_over(slowed(steps, [1], 5.0, onset=1, until=6)).reported == []  # the incarnation's warm-up
-    assert monitor_over(slowed(steps, [6], 2.0, onset=50, until=54)).reported == []  # a 4-step burst
+    assert not monitor_over(slowed(steps, [1], 5.0, onset=1, until=6)).reported  # the incarnation's warm-up
+    assert not monitor_over(slowed(steps, [6], 2.0, onset=50, until=54)).reported  # a 4-step burst
 
 
 def test_noisy_large_job_flags_only_the_slow_rank():
