@@ -20,6 +20,7 @@ ends it.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -32,7 +33,7 @@ import traceback
 from typing import TYPE_CHECKING, Optional
 
 from megascale.common.lifetime import die_with_parent
-from megascale.common.rankspec import Progress, RankSpec
+from megascale.common.rankspec import STACKS_SIGNAL, Progress, RankSpec
 
 if TYPE_CHECKING:  # torch's import waits until a rank needs it (a standby does it before its order)
     from megascale.train import KeptTrainer
@@ -109,7 +110,14 @@ class Orders:
         return self._specs.get()
 
 
+def answer_stack_requests() -> None:
+    """Writes every thread's stack to stderr (fd 2: the rank's log, once it has one) at the executor's
+    STACKS_SIGNAL, whatever the main thread is blocked in."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+
+
 def main(argv: list[str]) -> int:
+    answer_stack_requests()
     if argv == ["--standby"]:
         spec_path = standby()
         if spec_path is None:

@@ -29,12 +29,13 @@ from megascale.common.messages import ErrorLine, RankState, RankStatus
 
 from . import log
 from .allocator import rank_allocator_env
-from megascale.common.rankspec import RankSpec
+from megascale.common.rankspec import STACKS_SIGNAL, RankSpec
 from .standby import Standbys
 
 # Set to a script path to run it instead of the training entry point (tests: fake ranks).
 RANK_ENTRY_ENV = "MEGASCALE_RANK_ENTRY"
 RECENT_ERRORS = 10
+STACKS_WAIT_S = 0.3  # for a rank's stacks (STACKS_SIGNAL) to reach its log before it is stopped
 
 # NVIDIA Xid codes that mean the GPU or its memory failed, not the program: 48 double-bit ECC, 61/62 internal
 # micro-controller, 63/64 page retirement / row remapping, 74 NVLink, 79 fallen off the bus, 92 high single-bit
@@ -286,6 +287,13 @@ class RankGroup:
             if tick:
                 tick()
             time.sleep(0.05)
+        stuck = [p for p in self.procs if p.proc.poll() is None and not p.out and not stopped(p.proc.pid)]
+        for p in stuck:
+            log.warning("incarnation %d: rank %d (pid %d) did not leave within %g s of the order: stopping it; "
+                        "its threads' stacks are in its log", self.incarnation, p.rank, p.proc.pid, timeout_s)
+            p.proc.send_signal(STACKS_SIGNAL)
+        if stuck:
+            time.sleep(STACKS_WAIT_S)
         self.stop(grace_s, tick, only=[p for p in self.procs if not p.out])
         return len(self.waiting_for_next())
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from megascale.common.jsonl import RollingWriter
+
+# The executor's request for a rank process's threads' stacks, into its log: asked of a rank that did not leave
+# its incarnation when ordered, before it is stopped, so that the log says where it was stuck. The rank answers
+# from faulthandler's C handler, so a main thread blocked in a collective answers too.
+STACKS_SIGNAL = signal.SIGUSR2
 
 
 @dataclass
