@@ -31,7 +31,7 @@ from .backend import Backend, NodeLaunch, make_backend
 from .bus import ensure_topics, make_producer
 from .commands import Commands
 from .ingest import HeartbeatIngest
-from .metrics.stragglers import describe
+from .metrics.straggler_report import describe
 from .pool import NodePool
 from .recovery import HangClock, Liveness, Recoverer, all_succeeded, checkpoint_waits, progress, shrink, timings
 from .state import Fault, JobRecord, JobState, JobStatus, JobStore, NodeStatus, Phase

@@ -245,7 +245,7 @@ class JobStatus:
     recoveries: list[dict] = field(default_factory=list)  # the newest (timings.KEPT), numbered by `n`
     recovered: int = 0  # finished recoveries, ever
     evicted: int = 0  # nodes evicted, ever (`nodes` lists the newest EVICTED_SHOWN of them)
-    stragglers: list[str] = field(default_factory=list)  # one line per straggler finding (stragglers.describe)
+    stragglers: list[str] = field(default_factory=list)  # one line per straggler finding (straggler_report.describe)
     prometheus: Optional[str] = None  # the driver's /metrics URL; None when control.prometheus_port is -1
     timings_stored: int = 0  # step-timing rows the driver wrote to <run_dir>/metrics
 

@@ -14,7 +14,8 @@ from .. import log
 from ..backend import Backend
 from ..ingest import NodeView
 from ..metrics.prometheus import JobMetrics
-from ..metrics.stragglers import Finding, StragglerMonitor, describe
+from ..metrics.straggler_report import describe
+from ..metrics.stragglers import Finding, StragglerMonitor
 from ..state import Fault, JobRecord
 from .policy import straggler_to_evict
 from .selfcheck import HARDWARE_ERROR, hardware

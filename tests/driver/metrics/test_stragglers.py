@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from megascale.bench.stragglers import by_step, slow_down
-from megascale.driver.metrics.stragglers import StragglerMonitor, describe, detect, slowness, to_event
+from megascale.driver.metrics.straggler_report import describe, to_event
+from megascale.driver.metrics.stragglers import StragglerMonitor, detect, slowness
 
 from megascale.common.messages import Event, decode, encode
 
