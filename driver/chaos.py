@@ -8,7 +8,6 @@ file the reporting rank reads; `link-down` and `slow-link` change a node's link 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -20,11 +19,13 @@ import psutil
 
 from megascale.checkpoint.storage import CheckpointError, committed_steps, open_storage, read_manifest, step_dir
 from megascale.common import netemu
+from megascale.common.auth import env_signer
 from megascale.common.messages import SlowRank, encode, slow_ranks_key
 from megascale.common.processes import pid_alive
 from megascale.common.rankspec import RankSpec, nan_loss_order
 from megascale.config import CheckpointConfig, from_dict
 
+from .local import recorded_executor
 from .state import JobState, JobStore
 
 KINDS = ("kill-rank", "kill-node", "freeze-node", "hang", "slow-rank", "nan-loss", "fail-selfcheck", "crash-loop",
@@ -49,10 +50,15 @@ class ChaosError(Exception):
 
 
 def executor_pid(store: JobStore, node: str) -> int:
+    """The pid of `node`'s running executor, checked as the driver checks it (driver/local.py): whoever can
+    write the job's Redis must not make `chaos` signal a process of theirs choosing."""
     raw = store.r.hget(f"megascale:{{{store.job}}}:local", node)
     if not raw:
         raise ChaosError(f"job {store.job} has no local node {node!r}")
-    return json.loads(raw)["pid"]
+    proc = recorded_executor(store.job, node, raw, env_signer())
+    if proc is None:
+        raise ChaosError(f"node {node} is not running (evicted or stopped)")
+    return proc.pid
 
 
 def rank_procs(store: JobStore, node: str) -> list[psutil.Process]:
@@ -121,7 +127,10 @@ def inject(store: JobStore, kind: str, node: Optional[str] = None, rank: Optiona
         sig, target, done = SIGNALS[kind]
         pid = pick_rank(store, node, rank).pid if target == "rank" else executor_pid(store, node)
         store.record_chaos(kind, node, {"pid": pid})
-        os.kill(pid, sig)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it ended between the check and the signal
+            raise ChaosError(f"node {node}: pid {pid} ended before {kind} reached it") from None
         if sig == signal.SIGKILL:  # "killed" once it is: a `resume` right after must not see it still alive
             deadline = time.monotonic() + KILLED_WITHIN_S
             while pid_alive(pid) and time.monotonic() < deadline:

@@ -24,7 +24,7 @@ import psutil
 import redis
 
 from megascale.common import netemu
-from megascale.common.auth import BadRecord, env_signer
+from megascale.common.auth import BadRecord, Signer, env_signer
 from megascale.common.processes import last_line
 
 from . import log
@@ -67,33 +67,12 @@ class LocalBackend(Backend):
 
     def _process(self, node: str, raw: Optional[bytes]) -> Optional[psutil.Process]:
         child = self._children.get(node)
-        try:
-            if child is not None:  # started by this process: its Popen is proof enough (even before its exec)
+        if child is not None:  # started by this process: its Popen is proof enough (even before its exec)
+            try:
                 return None if child.poll() is not None else psutil.Process(child.pid)
-            info = self._record(node, raw)
-            if info is None:
+            except psutil.Error:
                 return None
-            proc = psutil.Process(info["pid"])
-            if info["ctime"] is None or abs(proc.create_time() - info["ctime"]) > 0.5:
-                return None  # the pid now belongs to someone else
-            if proc.status() == psutil.STATUS_ZOMBIE or not _is_executor(proc.cmdline(), self.launch.job, node):
-                return None
-            return proc
-        except psutil.Error:
-            return None
-
-    def _record(self, node: str, raw: Optional[bytes]) -> Optional[dict]:
-        """The node's (pid, start time) record if a component of this job wrote it, else None (logged)."""
-        if not raw:
-            return None
-        try:
-            info = json.loads(self.signer.open(raw) if self.signer else raw)
-            if info.get("node", node) != node or not isinstance(info.get("pid"), int):
-                raise BadRecord("another node's record")
-            return info
-        except (BadRecord, ValueError, AttributeError) as e:
-            log.warning("ignored the process record of node %s: %s", node, e)
-            return None
+        return recorded_executor(self.launch.job, node, raw, self.signer)
 
     def list(self) -> dict[str, NodeInfo]:
         out = {}
@@ -145,6 +124,32 @@ class LocalBackend(Backend):
         work = self.work_dir(node)
         ranks = sorted(work.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
         return [work / "executor.log", *ranks]
+
+
+def recorded_executor(job: str, node: str, raw: Optional[bytes],
+                      signer: Optional[Signer] = None) -> Optional[psutil.Process]:
+    """The live executor of `node` that its process record `raw` names, if a component of this job wrote the
+    record (`signer`: the job's HMAC, when it has a key) and the pid still belongs to that executor; else None
+    (a bad record logged)."""
+    if not raw:
+        return None
+    try:
+        info = json.loads(signer.open(raw) if signer else raw)
+        if info.get("node", node) != node or not isinstance(info.get("pid"), int):
+            raise BadRecord("another node's record")
+    except (BadRecord, ValueError, AttributeError) as e:
+        log.warning("ignored the process record of node %s: %s", node, e)
+        return None
+    try:
+        proc = psutil.Process(info["pid"])
+        if info.get("ctime") is None or abs(proc.create_time() - info["ctime"]) > 0.5:
+            return None  # the pid now belongs to someone else
+        if proc.status() == psutil.STATUS_ZOMBIE or not _is_executor(proc.cmdline(), job, node):
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
 
 
 def _is_executor(cmdline: list[str], job: str, node: str) -> bool:

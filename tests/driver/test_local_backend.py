@@ -12,7 +12,9 @@ import redis
 
 from megascale.common.auth import SECRETS_ENV, JobSecrets
 from megascale.driver.backend import NodeLaunch
+from megascale.driver.chaos import ChaosError, inject
 from megascale.driver.local import LocalBackend
+from megascale.driver.state import JobStore
 
 KEY = "megascale:{j}:local"
 
@@ -57,5 +59,31 @@ def test_a_forged_process_record_gets_no_process_killed(backend):
         assert lookalike.wait(timeout=5) is not None and sleeper.poll() is None
     finally:
         for proc in (sleeper, lookalike):
+            proc.kill()
+            proc.wait()
+
+
+def test_chaos_signals_only_a_live_executor_of_the_job(backend):
+    """`megascale chaos` finds its target as the driver does: not through a forged record, and not after the
+    node's executor is gone (an evicted node stays listed), where it says so in one line."""
+    local, secrets = backend
+    store = JobStore(local.r, "j")
+    sleeper = bystander()
+    executor = bystander("-m", "megascale.executor", "--job", "j", "--node", "n0")
+    try:
+        local.r.hset(KEY, "n1", record(sleeper, "n1"))  # unsigned, naming a bystander
+        with pytest.raises(ChaosError, match="node n1 is not running"):
+            inject(store, "kill-node", "n1")
+        assert sleeper.poll() is None and store.last_chaos() is None
+
+        local.r.hset(KEY, "n0", secrets.signer().sign(record(executor)))
+        assert inject(store, "kill-node", "n0") == f"killed executor {executor.pid} of n0"
+        assert executor.wait(timeout=5) == -9 and store.last_chaos()["node"] == "n0"
+        with pytest.raises(ChaosError, match=r"node n0 is not running \(evicted or stopped\)"):
+            inject(store, "freeze-node", "n0")
+        with pytest.raises(ChaosError, match="has no local node 'n7'"):
+            inject(store, "kill-node", "n7")
+    finally:
+        for proc in (sleeper, executor):
             proc.kill()
             proc.wait()
