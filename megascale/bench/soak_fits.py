@@ -1,5 +1,5 @@
 """The soak's arithmetic, apart from the job it runs: time lost per fault, per-process leak slopes and step-time
-drift per incarnation, each from plain records (progress, leak samples, committed steps' metrics)."""
+drift per run of steps, each from plain records (progress, leak samples, committed steps' metrics)."""
 from __future__ import annotations
 
 import statistics
@@ -112,8 +112,11 @@ def file_pages_added(samples: list[dict], injected: list[dict], settle_s: float,
     return {k: round(statistics.fmean(v), 2) if v else None for k, v in added.items()}
 
 
-def _incarnations(metrics: list[dict]) -> list[list[dict]]:
-    """The committed steps' metrics cut into runs of consecutive steps: one per incarnation (a replay restarts)."""
+def _runs(metrics: list[dict]) -> list[list[dict]]:
+    """The committed steps' metrics cut into runs of consecutive steps: a recovery that replays steps starts a
+    new run, an in-process restart that replays none does not. Not cut at every incarnation on purpose: a
+    kept rank process lives through in-process restarts, and what builds up in it (garbage, a leak) would be
+    cut into pieces too short to show."""
     runs, current = [], []
     for m in metrics:
         if current and m["step"] != current[-1]["step"] + 1:
@@ -139,20 +142,20 @@ def _tenths(times: list[float]) -> Optional[tuple[float, float]]:
 
 
 def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
-    """Per incarnation (a run of consecutive steps), the median step time of its last 10% over its first 10%,
+    """Per run of consecutive steps (`_runs`), the median step time of its last 10% over its first 10%,
     leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
     steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is
     for what builds up (garbage collection, leaks), not for what a fault does at once."""
-    tenths = (_tenths(_steady_times(run, warmup, disturbed)) for run in _incarnations(metrics))
+    tenths = (_tenths(_steady_times(run, warmup, disturbed)) for run in _runs(metrics))
     return [round(last / first, 3) for first, last in filter(None, tenths)]
 
 
 def restart_ratios(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
-    """Across each restart between two incarnations long enough for a drift, the median step time of the last
+    """Across each restart between two runs of steps long enough for a drift, the median step time of the last
     10% of the one before over the first 10% of the one after. What builds up in a rank's life (garbage, a
     leak, a growing cache) a restart clears: the ratios sit above 1 as the drifts do. What slows the host
     does not end at a restart: the ratios scatter about 1 whatever the drifts say."""
-    tenths = [_tenths(_steady_times(run, warmup, disturbed)) for run in _incarnations(metrics)]
+    tenths = [_tenths(_steady_times(run, warmup, disturbed)) for run in _runs(metrics)]
     return [round(before[1] / after[0], 3) for before, after in zip(tenths, tenths[1:]) if before and after]
 
 
