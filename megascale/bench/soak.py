@@ -39,10 +39,11 @@ from kafka import KafkaConsumer, TopicPartition
 
 import megascale.data
 from megascale.bench import BenchFailed
+from megascale.bench.host_probe import host_probe
 from megascale.bench.incarnations import incarnation_memory
 from megascale.bench.loader_memory import loader_memory
-from megascale.bench.soak_fits import (anon_mb, cpu_cores_by_kind, file_pages_added, lost_seconds, process_slopes,
-                                       restart_ratios, slope_per_hour, step_time_drift)
+from megascale.bench.soak_fits import (anon_mb, cpu_cores_by_kind, file_pages_added, host_drift, lost_seconds,
+                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift)
 from megascale.common.messages import topic
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace) -> dict:
         root = Path(tmp)
         injected: list[dict] = []
         started = time.time()
-        with launched_job(root, rng, "soak") as soak:
+        with host_probe(root / "host-probe.txt") as probe, launched_job(root, rng, "soak") as soak:
             soak.watch(600, 30, until=lambda: soak.step() >= 10)
             end = started + minutes * 60
             kinds = list(FAULTS)
@@ -339,12 +340,13 @@ def run(args: argparse.Namespace) -> dict:
             soak.watch(300, 30, until=soak.running)
             final_status = soak.status()
             keys = redis_keys_by_prefix(soak.store)
+            host = probe.samples(), probe.realtime()
         metrics, losses = losses_against_uninterrupted(soak, compare_losses)
         time.sleep(2)  # the supervisor's last clean-up
         left = leftovers(root, shm_before, tmp_before)
-    result = report(soak, injected, final_status, metrics, losses, left, interval)
+    result = report(soak, injected, final_status, metrics, losses, left, interval, host)
     if samples_file:
-        save_samples(Path(samples_file), soak, injected, metrics)
+        save_samples(Path(samples_file), soak, injected, metrics, host[0])
     growth = per_batch["rss_mb_per_100k_batches"]  # a node's loader packs a batch a step: per hour of this job
     per_batch["rss_mb_per_hour_at_this_jobs_rate"] = (round(growth * 3600 / result["step_s_median"] / 1e5, 2)
                                                      if growth is not None and result["step_s_median"] else None)
@@ -353,11 +355,13 @@ def run(args: argparse.Namespace) -> dict:
             "redis_keys_at_end": keys}
 
 
-def save_samples(path: Path, soak: Soak, injected: list[dict], metrics: list[dict]) -> None:
+def save_samples(path: Path, soak: Soak, injected: list[dict], metrics: list[dict],
+                 probe: list[tuple[float, float]]) -> None:
     """What the report was fitted from, for looking into a slope or a drift: every leak sample (per process:
-    kind, RSS, fds, threads), the step progress, the injections and the committed steps' metrics."""
+    kind, RSS, fds, threads), the step progress, the injections, the committed steps' metrics and the host
+    probe's (time, seconds)."""
     path.write_text(json.dumps({"samples": soak.samples, "progress": soak.progress, "injected": injected,
-                                "metrics": metrics}))
+                                "metrics": metrics, "host_probe": probe}))
 
 
 def redis_keys_by_prefix(store: JobStore) -> dict[str, int]:
@@ -383,7 +387,8 @@ def reference_losses(root: Path, env: dict, steps: int) -> dict[int, float]:
 
 
 def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], losses: dict,
-           left: dict[str, int], interval: float) -> dict:
+           left: dict[str, int], interval: float, host: tuple[list[tuple[float, float]], bool] = ([], True)) -> dict:
+    """`host`: the host probe's (time, seconds) samples and whether it ran at real-time priority."""
     step_s = statistics.median(m["step_time"] for m in metrics) if metrics else 0.0
     by_kind: dict[str, list[Optional[float]]] = {}
     ends = [f["recoveries_before"] for f in injected[1:]] + [recovered(final)]
@@ -404,6 +409,8 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
     disturbed = tuple((f["time"], f["time"] + settle) for f in injected)
     per_process = {name: process_slopes(soak.samples, name, after, lived, disturbed)
                    for name in ("rss_mb", "anon_mb", "fds", "threads")}
+    drift = step_time_drift(metrics, disturbed=disturbed)
+    host_drifts = host_drift(metrics, host[0], disturbed=disturbed)
     return {
         "fault_interval_s": interval,
         "faults": len(injected),
@@ -434,9 +441,13 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         "redis_keys_slope_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_keys"), after, disturbed),
         "redis_rss_slope_mb_per_hour": slope_per_hour(soak.samples, lambda s: s.get("redis_rss_mb"), after, disturbed),
         "heartbeat_lag_max": max((s["heartbeat_lag"] for s in soak.samples if "heartbeat_lag" in s), default=None),
-        "step_time_drift": step_time_drift(metrics, disturbed=disturbed),
+        "step_time_drift": drift,
         "step_time_drift_all_steps": step_time_drift(metrics),
         "step_time_restart_ratios": restart_ratios(metrics, disturbed=disturbed),
+        "host_speed_drift": host_drifts,
+        # each drift over the host's in the same windows: what the job's own build-up would be
+        "step_time_drift_host_adjusted": [round(d / h, 3) if h else None for d, h in zip(drift, host_drifts)],
+        "host_probe_realtime": host[1],
         "cpu_cores_by_kind": cpu_cores_by_kind(soak.samples, after, disturbed),
         **losses,
         "leftovers": left,

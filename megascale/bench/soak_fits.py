@@ -7,6 +7,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from megascale.bench.host_probe import median_between
+
 
 def lost_seconds(progress: list[tuple[float, int]], injected: float, step_s: float) -> Optional[float]:
     """From the injection until the step passes the highest step reached before it, less those steps' time."""
@@ -127,18 +129,33 @@ def _runs(metrics: list[dict]) -> list[list[dict]]:
     return runs
 
 
-def _steady_times(run: list[dict], warmup: int, disturbed: Windows) -> list[float]:
-    """An incarnation's step times past its `warmup` steps, less those started within a `disturbed` window."""
-    return [m["step_time"] for m in run[warmup:]
+def _steady_steps(run: list[dict], warmup: int, disturbed: Windows) -> list[dict]:
+    """A run's steps past its `warmup` steps, less those started within a `disturbed` window."""
+    return [m for m in run[warmup:]
             if not any(lo <= m.get("timings", {}).get("start", -1.0) < hi for lo, hi in disturbed)]
 
 
-def _tenths(times: list[float]) -> Optional[tuple[float, float]]:
-    """Median step time of the first and of the last 10% of `times`; None under 50 (a tenth under 5 steps)."""
-    if len(times) < 50:
+def _tenths(steps: list[dict]) -> Optional[tuple[list[dict], list[dict]]]:
+    """The first and the last 10% of `steps`; None under 50 (a tenth under 5 steps)."""
+    if len(steps) < 50:
         return None
-    tenth = len(times) // 10
-    return statistics.median(times[:tenth]), statistics.median(times[-tenth:])
+    tenth = len(steps) // 10
+    return steps[:tenth], steps[-tenth:]
+
+
+def _median_time(steps: list[dict]) -> float:
+    return statistics.median(m["step_time"] for m in steps)
+
+
+def _wall(steps: list[dict]) -> tuple[float, float]:
+    """When `steps` ran: the first one's start to the last one's end (wall clock, as the host probe's)."""
+    first, last = steps[0].get("timings", {}), steps[-1].get("timings", {})
+    return first.get("start", 0.0), last.get("start", 0.0) + steps[-1]["step_time"]
+
+
+def _runs_in_tenths(metrics: list[dict], warmup: int, disturbed: Windows) -> list[tuple[list[dict], list[dict]]]:
+    """Per run of steps long enough for a drift, its first and last tenth of steady steps."""
+    return list(filter(None, (_tenths(_steady_steps(run, warmup, disturbed)) for run in _runs(metrics))))
 
 
 def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
@@ -146,17 +163,31 @@ def step_time_drift(metrics: list[dict], warmup: int = 5, disturbed: Windows = (
     leaving out the steps that started within a `disturbed` (wall start, end) window: a slow rank slows
     steps on purpose, and a restarted driver, Redis or broker takes the job's cores while it starts. Drift is
     for what builds up (garbage collection, leaks), not for what a fault does at once."""
-    tenths = (_tenths(_steady_times(run, warmup, disturbed)) for run in _runs(metrics))
-    return [round(last / first, 3) for first, last in filter(None, tenths)]
+    return [round(_median_time(last) / _median_time(first), 3)
+            for first, last in _runs_in_tenths(metrics, warmup, disturbed)]
+
+
+def host_drift(metrics: list[dict], probe: list[tuple[float, float]], warmup: int = 5,
+               disturbed: Windows = ()) -> list[Optional[float]]:
+    """Beside each `step_time_drift`, the same ratio of the host probe's times (megascale/bench/host_probe.py:
+    its median while the last tenth of the run's steps ran over its median while the first tenth ran); None
+    where either tenth had fewer than 3 probe samples. The host slowing down reads here as much as in the
+    drift; something building up in the job reads in the drift alone."""
+    out: list[Optional[float]] = []
+    for first, last in _runs_in_tenths(metrics, warmup, disturbed):
+        before, after = median_between(probe, *_wall(first)), median_between(probe, *_wall(last))
+        out.append(round(after / before, 3) if before and after else None)
+    return out
 
 
 def restart_ratios(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
     """Across each restart between two runs of steps long enough for a drift, the median step time of the last
-    10% of the one before over the first 10% of the one after. What builds up in a rank's life (garbage, a
-    leak, a growing cache) a restart clears: the ratios sit above 1 as the drifts do. What slows the host
-    does not end at a restart: the ratios scatter about 1 whatever the drifts say."""
-    tenths = [_tenths(_steady_times(run, warmup, disturbed)) for run in _runs(metrics)]
-    return [round(before[1] / after[0], 3) for before, after in zip(tenths, tenths[1:]) if before and after]
+    10% of the one before over the first 10% of the one after. What builds up in an incarnation (its model,
+    optimizer, groups, their garbage) a restart clears: the ratios sit above 1 as the drifts do. What slows the
+    host does not end at a restart: the ratios scatter about 1 whatever the drifts say."""
+    tenths = [_tenths(_steady_steps(run, warmup, disturbed)) for run in _runs(metrics)]
+    return [round(_median_time(before[1]) / _median_time(after[0]), 3)
+            for before, after in zip(tenths, tenths[1:]) if before and after]
 
 
 def cpu_cores_by_kind(samples: list[dict], after_s: float, disturbed: Windows = ()) -> dict[str, dict]:

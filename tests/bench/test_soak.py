@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import job_processes, life_key, process_kind, run, save_samples
 from megascale.bench.loader_memory import loader_memory
-from megascale.bench.soak_fits import (cpu_cores_by_kind, file_pages_added, growth_per_100, lost_seconds,
+from megascale.bench.host_probe import host_probe
+from megascale.bench.soak_fits import (cpu_cores_by_kind, file_pages_added, growth_per_100, host_drift, lost_seconds,
                                        process_slopes, restart_ratios, slope_per_hour, step_time_drift)
 
 
@@ -50,7 +52,7 @@ def test_the_report_splits_what_ettr_lost_into_start_up_and_faults():
         [{"detection": 0.5, "diagnosis": 0.0, "restart": 4.5, "catchup": 1.0}], [], []]
 
 
-def test_drift_is_per_incarnation_and_ignores_short_ones():
+def test_drift_is_per_run_of_steps_and_ignores_short_ones():
     steady = [{"step": s, "step_time": 1.0} for s in range(1, 101)]
     slowing = [{"step": s, "step_time": 1.0 + (s - 41) * 0.01} for s in range(41, 141)]  # a replay from 41
     short = [{"step": s, "step_time": 9.0} for s in range(20, 40)]
@@ -77,6 +79,38 @@ def test_restart_ratios_tell_a_build_up_a_restart_clears_from_a_host_slowing_dow
     assert restart_ratios(host) == [pytest.approx(1.0, abs=0.02)] * 2
     # a restart next to an incarnation too short for a drift has no ratio
     assert restart_ratios(build_up[:100] + build_up[100:130]) == []
+
+
+def test_host_drift_tells_the_host_slowing_down_from_the_job_building_up():
+    # one run of 200 steps of 1 s from t=0 (its tenths: steps 5-23 and 186-204 by wall time), a probe sample
+    # every second; the host slows 10% at t=100, the job (on its own) builds up 5% over the run
+    def run(step_time):
+        return [{"step": s, "step_time": step_time(s), "timings": {"start": float(s)}} for s in range(200)]
+    slower_host = [(float(t), 0.010 if t < 100 else 0.011) for t in range(220)]
+    steady_host = [(float(t), 0.010) for t in range(220)]
+    host_bound = run(lambda s: 1.0 if s < 100 else 1.1)
+    assert step_time_drift(host_bound) == [1.1] and host_drift(host_bound, slower_host) == [1.1]
+    build_up = run(lambda s: 1.0 + s * 0.00025)
+    assert step_time_drift(build_up) == [pytest.approx(1.045, abs=0.005)] and host_drift(build_up, steady_host) == [1.0]
+    # a tenth with fewer than 3 probe samples has no host drift; the list stays beside the drifts
+    assert host_drift(host_bound, slower_host[:10]) == [None]
+    assert host_drift(host_bound[:40], slower_host) == []
+
+
+def test_the_host_probe_runs_at_real_time_priority_as_root_and_stops_with_the_block(tmp_path):
+    with host_probe(tmp_path / "probe.txt") as probe:
+        deadline = time.monotonic() + 30
+        while len(probe.samples()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [c.pid for c in psutil.Process().children() if "megascale.bench.host_probe" in c.cmdline()]
+        assert len(pids) == 1
+        assert probe.realtime() == (os.geteuid() == 0)
+        if os.geteuid() == 0:
+            assert os.sched_getscheduler(pids[0]) == os.SCHED_FIFO
+    times = [t for t, _ in probe.samples()]
+    assert len(times) >= 3 and all(0.0 < s < 1.0 for _, s in probe.samples())
+    assert all(0.5 < b - a < 3.0 for a, b in zip(times, times[1:]))  # one a second
+    assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
 
 
 def test_cpu_cores_are_per_kind_over_processes_seen_in_both_samples_first_and_last_tenth():
@@ -205,12 +239,14 @@ def test_the_raw_samples_are_saved_to_refit_and_a_bad_path_fails_before_the_run(
                                                             "threads": 9}}} for i in range(41)]
     soak = SimpleNamespace(samples=samples, progress=[(0.0, 1), (30.0, 40)])
     path = tmp_path / "samples.json"
-    save_samples(path, soak, injected=[{"kind": "kill-rank", "time": 12.0}], metrics=[{"step": 1, "loss": 2.0}])
+    save_samples(path, soak, injected=[{"kind": "kill-rank", "time": 12.0}], metrics=[{"step": 1, "loss": 2.0}],
+                 probe=[(1.0, 0.008)])
     saved = json.loads(path.read_text())
     assert process_slopes(saved["samples"], "rss_mb", 300, 600) == {"driver": {"pooled": pytest.approx(120.0),
                                                                                "worst": pytest.approx(120.0),
                                                                                "processes": 1}}
     assert saved["injected"][0]["kind"] == "kill-rank" and saved["metrics"] == [{"step": 1, "loss": 2.0}]
+    assert saved["host_probe"] == [[1.0, 0.008]]
     with pytest.raises(BenchFailed, match=r"^--samples .*/no/samples.json: No such file or directory$"):
         run(argparse.Namespace(quick=True, minutes=0.0, fault_interval=0.0,
                                samples=str(tmp_path / "no" / "samples.json")))
