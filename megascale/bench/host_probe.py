@@ -46,10 +46,10 @@ def main(argv: list[str]) -> int:
 
 
 class HostProbe:
-    """The probe's samples, (wall time, seconds), read from its output file."""
+    """The probe's samples, (wall time, seconds), read from its output file; `pid`, its process."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self, out: Path, pid: int):
+        self.out, self.pid = out, pid
 
     def samples(self) -> list[tuple[float, float]]:
         lines = self.out.read_text().split("\n") if self.out.exists() else []
@@ -66,7 +66,7 @@ def host_probe(out: Path) -> Iterator[HostProbe]:
         proc = subprocess.Popen([sys.executable, "-m", "megascale.bench.host_probe", str(os.getpid())],
                                 stdout=sink, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:
-        yield HostProbe(out)
+        yield HostProbe(out, proc.pid)
     finally:
         proc.kill()
         proc.wait()

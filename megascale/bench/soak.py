@@ -45,6 +45,7 @@ from megascale.bench.loader_memory import loader_memory
 from megascale.bench.soak_fits import (anon_mb, cpu_cores_by_kind, file_pages_added, host_drift, lost_seconds,
                                        process_slopes, restart_ratios, slope_per_hour, step_time_drift)
 from megascale.common.messages import topic
+from megascale.common.private_dir import private_temp_dir
 from megascale.config import CheckpointConfig
 from megascale.driver.chaos import inject
 from megascale.driver.services import JobHandle
@@ -239,10 +240,17 @@ def leftovers(root: Path, shm_before: set[str], tmp_before: set[str]) -> dict[st
         if any(str(root) in a for a in p.info["cmdline"] or []):
             procs += 1
     sockets = sum(1 for c in psutil.net_connections("unix") if c.laddr and str(root) in str(c.laddr))
-    tmp = tempfile.gettempdir()
-    temp_files = len({n for n in os.listdir(tmp) if "megascale" in n} - tmp_before - {root.name})
+    temp_files = len(temp_names() - tmp_before - {root.name})
     return {"processes": procs, "shm_segments": len(set(os.listdir("/dev/shm")) - shm_before), "sockets": sockets,
             "temp_files": temp_files}
+
+
+def temp_names() -> set[str]:
+    """megascale's names in the temp directory, and those in this user's private directory there (the keepers'
+    logs), which is not itself a leftover: it stays, as /tmp/tmux-UID does."""
+    private = private_temp_dir()
+    return ({n for n in os.listdir(tempfile.gettempdir()) if "megascale" in n and n != private.name}
+            | {f"{private.name}/{n}" for n in os.listdir(private)})
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -317,8 +325,7 @@ def run(args: argparse.Namespace) -> dict:
     # before the job, alone on the CPUs: what each in-process restart leaves in a rank, apart from time
     per_incarnation = incarnation_memory(cycles=4 if quick else 16)
     per_batch = loader_memory(batches=10_000 if quick else 100_000)
-    shm_before, tmp_before = set(os.listdir("/dev/shm")), {n for n in os.listdir(tempfile.gettempdir())
-                                                             if "megascale" in n}
+    shm_before, tmp_before = set(os.listdir("/dev/shm")), temp_names()
     with tempfile.TemporaryDirectory(prefix="megascale-bench-soak-") as tmp:
         root = Path(tmp)
         injected: list[dict] = []

@@ -7,13 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from megascale.checkpoint import ipc
 from megascale.checkpoint.storage import CheckpointError, normalize_uri
+from megascale.common.private_dir import ForeignDirectory, private_temp_dir
 
 log = logging.getLogger("megascale.checkpoint")
 CONNECT_TIMEOUT_S = 60.0  # a keeper starting on a loaded node needs a few seconds
@@ -141,7 +141,10 @@ def _spawn_lock(name: str) -> Optional[socket.socket]:
 
 
 def _log_path(uri: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"megascale-keeper-{ipc.socket_name(uri)[18:]}.log"
+    try:
+        return private_temp_dir() / f"keeper-{ipc.socket_name(uri)[18:]}.log"
+    except ForeignDirectory as e:
+        raise CheckpointError(f"the checkpoint keeper's log: {e}") from None
 
 
 def _spawn(uri: str, filesystem: tuple[Optional[str], dict], idle_s: float) -> None:
