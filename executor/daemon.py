@@ -56,8 +56,9 @@ STOP_GRACE_S = 5.0
 # For ranks to leave their incarnation (in-process restart): abandoning a step, closing the checkpointer and
 # data loader and collecting the model's garbage took 0.2-1.2 s (111 leaves, 8 ranks on the 2-core test host);
 # this is over 3 times the slowest. A rank still inside after it is blocked where no abort reaches (seen: a TP
-# collective inside autograd, about 1 recovery in 10) and is stopped, its stacks logged and its process
-# replaced; at 10 s this wait was most of what such a recovery cost.
+# collective whose gloo send was already on the wire to a peer that stopped reading, which gloo never wakes:
+# 4 leaves in 164, docs/recovery.md) and is stopped, its stacks logged and its process replaced; at 10 s this
+# wait was most of what such a recovery cost.
 LEAVE_TIMEOUT_S = 4.0
 
 

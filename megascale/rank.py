@@ -69,7 +69,11 @@ def abort_rank() -> None:
     leaves its incarnation this way). NCCL communicators are aborted. Gloo has no abort in torch 2.13
     (its backend's `abort()` is a no-op), so its TCP connections are shut down instead, which wakes a
     blocked collective with an error exactly as the death of this process would; the rendezvous
-    store's connections go with them (a new incarnation opens its own). Follow with `shutdown_rank`."""
+    store's connections go with them (a new incarnation opens its own). Follow with `shutdown_rank`.
+
+    Not woken in gloo: a send whose bytes are already going out to a peer that stopped reading (gloo does
+    not signal an unbound buffer in a connection's write queue); it waits out the group's timeout, which
+    is why the executor stops a rank not out of its incarnation within seconds (docs/recovery.md)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     for name in os.listdir("/proc/self/fd"):
