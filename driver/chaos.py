@@ -19,7 +19,6 @@ import psutil
 
 from megascale.checkpoint.storage import CheckpointError, committed_steps, open_storage, read_manifest, step_dir
 from megascale.common import netemu
-from megascale.common.auth import env_signer
 from megascale.common.messages import SlowRank, encode, slow_ranks_key
 from megascale.common.processes import pid_alive
 from megascale.common.rankspec import RankSpec, nan_loss_order
@@ -55,7 +54,7 @@ def executor_pid(store: JobStore, node: str) -> int:
     raw = store.r.hget(f"megascale:{{{store.job}}}:local", node)
     if not raw:
         raise ChaosError(f"job {store.job} has no local node {node!r}")
-    proc = recorded_executor(store.job, node, raw, env_signer())
+    proc = recorded_executor(store.job, node, raw, store.signer)
     if proc is None:
         raise ChaosError(f"node {node} is not running (evicted or stopped)")
     return proc.pid

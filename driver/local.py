@@ -151,7 +151,6 @@ def recorded_executor(job: str, node: str, raw: Optional[bytes],
         return None
 
 
-
 def _is_executor(cmdline: list[str], job: str, node: str) -> bool:
     """Whether a command line is the executor `start` runs for `node` of `job`."""
     def value(flag: str) -> Optional[str]:

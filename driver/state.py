@@ -263,8 +263,9 @@ def status_view(status: Optional[JobStatus], rec: Optional[JobRecord]) -> dict:
 class JobStore:
     """All of one job's control-plane keys in Redis (hash tag {job}: one Cluster slot)."""
 
-    def __init__(self, client: redis.Redis, job: str):
+    def __init__(self, client: redis.Redis, job: str, signer: Optional[auth.Signer] = None):
         self.r, self.job = client, job
+        self.signer = signer  # of the job's records that this store cannot vouch for (driver/local.py), if keyed
         ns = f"megascale:{{{job}}}:"
         self.k_record, self.k_desired, self.k_evict = ns + "record", ns + "desired", ns + "evict"
         self.k_status, self.k_lease, self.k_offsets = ns + "status", ns + "driver", ns + "offsets"
@@ -278,8 +279,10 @@ class JobStore:
         """Logged in with `secrets`, else those of $MEGASCALE_SECRETS, unless the URL carries credentials."""
         # Reconnects through a restart of the server (the supervisor brings an embedded one back within ~1 s).
         reconnect = Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_TRIES)
+        found = secrets or auth.from_env()
         return cls(redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                        retry=reconnect, **auth.redis_auth(url, secrets)), job)
+                                        retry=reconnect, **auth.redis_auth(url, secrets)), job,
+                   found.signer() if found else None)
 
     # -- record (driver-owned) ---------------------------------------------------------------
 

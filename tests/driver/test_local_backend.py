@@ -67,7 +67,7 @@ def test_chaos_signals_only_a_live_executor_of_the_job(backend):
     """`megascale chaos` finds its target as the driver does: not through a forged record, and not after the
     node's executor is gone (an evicted node stays listed), where it says so in one line."""
     local, secrets = backend
-    store = JobStore(local.r, "j")
+    store = JobStore(local.r, "j", secrets.signer())  # as the CLI's: JobStore.from_url with the job's secrets
     sleeper = bystander()
     executor = bystander("-m", "megascale.executor", "--job", "j", "--node", "n0")
     try:
