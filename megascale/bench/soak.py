@@ -43,7 +43,8 @@ from megascale.bench.host_probe import host_probe
 from megascale.bench.incarnations import incarnation_memory
 from megascale.bench.loader_memory import loader_memory
 from megascale.bench.soak_fits import (anon_mb, cpu_cores_by_kind, file_pages_added, host_drift, lost_seconds,
-                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift)
+                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift,
+                                       step_time_follows_host)
 from megascale.common.messages import topic
 from megascale.common.private_dir import private_temp_dir
 from megascale.config import CheckpointConfig
@@ -455,6 +456,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         # each drift over the host's in the same windows: what the job's own build-up would be
         "step_time_drift_host_adjusted": [round(d / h, 3) if h else None for d, h in zip(drift, host_drifts)],
         "host_probe_realtime": host[1],
+        "step_time_follows_host": step_time_follows_host(metrics, host[0]),
         "cpu_cores_by_kind": cpu_cores_by_kind(soak.samples, after, disturbed),
         **losses,
         "leftovers": left,

@@ -180,6 +180,28 @@ def host_drift(metrics: list[dict], probe: list[tuple[float, float]], warmup: in
     return out
 
 
+def step_time_follows_host(metrics: list[dict], probe: list[tuple[float, float]], window: int = 50,
+                           warmup: int = 100) -> Optional[dict]:
+    """How closely step time follows the host probe over the whole run: per `window` consecutive committed steps
+    (past the first `warmup`), the median step time and the probe's median while they ran; their `correlation`
+    and `elasticity` (the slope of log step time on log probe time: 1.25 means a host 1% slower made steps
+    1.25% slower; both None where either never moved). None with fewer than 8 windows that have 5 probe samples
+    or more."""
+    points = []
+    for i in range(warmup, len(metrics) - window + 1, window):
+        steps = metrics[i:i + window]
+        host = [s for t, s in probe if _wall(steps)[0] <= t <= _wall(steps)[1]]
+        if len(host) >= 5:
+            points.append((statistics.median(host), _median_time(steps)))
+    if len(points) < 8:
+        return None
+    x, y = np.log([p[0] for p in points]), np.log([p[1] for p in points])
+    if not (x.std() and y.std()):  # one of them never moved: nothing to follow
+        return {"windows": len(points), "correlation": None, "elasticity": None}
+    return {"windows": len(points), "correlation": round(float(np.corrcoef(x, y)[0, 1]), 3),
+            "elasticity": round(_slope(x, y), 2)}
+
+
 def restart_ratios(metrics: list[dict], warmup: int = 5, disturbed: Windows = ()) -> list[float]:
     """Across each restart between two runs of steps long enough for a drift, the median step time of the last
     10% of the one before over the first 10% of the one after. What builds up in an incarnation (its model,

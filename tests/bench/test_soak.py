@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -21,7 +23,8 @@ from megascale.bench.soak import job_processes, life_key, process_kind, run, sav
 from megascale.bench.loader_memory import loader_memory
 from megascale.bench.host_probe import host_probe
 from megascale.bench.soak_fits import (cpu_cores_by_kind, file_pages_added, growth_per_100, host_drift, lost_seconds,
-                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift)
+                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift,
+                                       step_time_follows_host)
 
 
 def test_lost_time_is_until_training_passes_its_earlier_step_less_those_steps():
@@ -95,6 +98,25 @@ def test_host_drift_tells_the_host_slowing_down_from_the_job_building_up():
     # a tenth with fewer than 3 probe samples has no host drift; the list stays beside the drifts
     assert host_drift(host_bound, slower_host[:10]) == [None]
     assert host_drift(host_bound[:40], slower_host) == []
+
+
+def test_how_closely_step_time_follows_the_host_is_fitted_over_windows_of_steps():
+    # 1,000 steps of about 1 s; the host's speed wanders slowly by up to 10%, a probe sample every second
+    def host(t):
+        return 0.008 * (1.0 + 0.1 * math.sin(t / 80.0))
+
+    def run(step_time):
+        return [{"step": s, "step_time": step_time(s), "timings": {"start": float(s)}} for s in range(1000)]
+
+    probe = [(float(t), host(t)) for t in range(1100)]
+    follows = step_time_follows_host(run(lambda s: (host(s) / 0.008) ** 1.5), probe)
+    assert follows == {"windows": 18, "correlation": pytest.approx(1.0, abs=0.01),
+                       "elasticity": pytest.approx(1.5, abs=0.05)}
+    noise = random.Random(3)
+    own = step_time_follows_host(run(lambda s: 1.0 + 0.1 * math.sin(s / 53.0) + noise.uniform(-0.1, 0.1)), probe)
+    assert abs(own["correlation"]) < 0.5  # what the job does on its own does not follow the host
+    assert step_time_follows_host(run(lambda s: 1.0), probe)["correlation"] is None
+    assert step_time_follows_host(run(lambda s: 1.0)[:450], probe) is None  # 7 windows past the warm-up: too few
 
 
 def test_the_host_probe_runs_at_real_time_priority_as_root_and_stops_with_the_block(tmp_path):
