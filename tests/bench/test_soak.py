@@ -19,9 +19,10 @@ import pytest
 
 import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
-from megascale.bench.soak import job_processes, life_key, process_kind, run, save_samples
+from megascale.bench.soak import run, save_samples
 from megascale.bench.loader_memory import loader_memory
 from megascale.bench.host_probe import host_probe
+from megascale.bench.soak_processes import job_processes, life_key, process_kind
 from megascale.bench.soak_fits import (cpu_cores_by_kind, file_pages_added, growth_per_100, host_drift, lost_seconds,
                                        process_slopes, restart_ratios, slope_per_hour, step_time_drift,
                                        step_time_follows_host)
