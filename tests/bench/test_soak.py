@@ -190,10 +190,10 @@ def test_an_orphaned_process_of_the_job_is_still_sampled_with_its_children():
         driver.wait()
         assert job_processes([driver.pid], {}) == {}  # from the job's pids alone: lost
         assert set(job_processes([driver.pid], known)) == executor_and_rank  # still sampled
-    finally:
-        for p in psutil.Process().children(recursive=True):
-            p.kill()
-        for pid in list(known):
+    finally:  # only what this test started: every child of pytest would include multiprocessing's resource
+        driver.kill()  # tracker and fork server, which a later test's diagnostics then find dead
+        driver.wait()
+        for pid in set(known) - {driver.pid}:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
 
