@@ -72,10 +72,10 @@ def host_probe(out: Path) -> Iterator[HostProbe]:
         proc.wait()
 
 
-def median_between(samples: list[tuple[float, float]], start: float, end: float) -> Optional[float]:
-    """The probe's median time over samples taken in [start, end]; None with fewer than 3."""
+def median_between(samples: list[tuple[float, float]], start: float, end: float, least: int = 3) -> Optional[float]:
+    """The probe's median time over samples taken in [start, end]; None with fewer than `least`."""
     inside = [s for t, s in samples if start <= t <= end]
-    return statistics.median(inside) if len(inside) >= 3 else None
+    return statistics.median(inside) if len(inside) >= least else None
 
 
 if __name__ == "__main__":

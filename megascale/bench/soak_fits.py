@@ -190,9 +190,9 @@ def step_time_follows_host(metrics: list[dict], probe: list[tuple[float, float]]
     points = []
     for i in range(warmup, len(metrics) - window + 1, window):
         steps = metrics[i:i + window]
-        host = [s for t, s in probe if _wall(steps)[0] <= t <= _wall(steps)[1]]
-        if len(host) >= 5:
-            points.append((statistics.median(host), _median_time(steps)))
+        host = median_between(probe, *_wall(steps), least=5)
+        if host is not None:
+            points.append((host, _median_time(steps)))
     if len(points) < 8:
         return None
     x, y = np.log([p[0] for p in points]), np.log([p[1] for p in points])
