@@ -43,7 +43,7 @@ from megascale.bench.host_probe import host_probe
 from megascale.bench.incarnations import incarnation_memory
 from megascale.bench.loader_memory import loader_memory
 from megascale.bench.soak_fits import (anon_mb, cpu_cores_by_kind, file_pages_added, host_drift, lost_seconds,
-                                       process_slopes, restart_ratios, slope_per_hour, step_time_drift,
+                                       process_slopes, restart_ratios, shmem_mb, slope_per_hour, step_time_drift,
                                        step_time_follows_host)
 from megascale.bench.soak_processes import job_processes, leftovers, life_key, process_kind, temp_names
 from megascale.common.messages import topic
@@ -170,7 +170,7 @@ class Soak:
                     threads, memory, cpu = p.num_threads(), p.memory_info(), p.cpu_times()
                     processes[life_key(p.pid, p.create_time(), cmdline, threads)] = {
                         "kind": process_kind(cmdline), "rss_mb": memory.rss / 2**20,
-                        "anon_mb": anon_mb(memory), "fds": p.num_fds(), "threads": threads,
+                        "anon_mb": anon_mb(memory), "shmem_mb": shmem_mb(p.pid), "fds": p.num_fds(), "threads": threads,
                         "cpu_s": cpu.user + cpu.system}
             except psutil.Error:
                 continue
@@ -358,7 +358,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
     settle = min(FAULT_SETTLE_S, interval / 2)  # --quick injects every ~30 s: a minute each would leave nothing
     disturbed = tuple((f["time"], f["time"] + settle) for f in injected)
     per_process = {name: process_slopes(soak.samples, name, after, lived, disturbed)
-                   for name in ("rss_mb", "anon_mb", "fds", "threads")}
+                   for name in ("rss_mb", "anon_mb", "shmem_mb", "fds", "threads")}
     drift = step_time_drift(metrics, disturbed=disturbed)
     host_drifts = host_drift(metrics, host[0], disturbed=disturbed)
     return {
@@ -381,6 +381,7 @@ def report(soak: Soak, injected: list[dict], final: dict, metrics: list[dict], l
         # them; descriptors and threads the steepest; how many processes there were
         "rss_slope_mb_per_hour": {k: v["pooled"] for k, v in per_process["rss_mb"].items()},
         "anon_rss_slope_mb_per_hour": {k: v["pooled"] for k, v in per_process["anon_mb"].items()},
+        "shmem_rss_slope_mb_per_hour": {k: v["pooled"] for k, v in per_process["shmem_mb"].items()},
         "rss_slope_steepest_process_mb_per_hour": {k: v["worst"] for k, v in per_process["rss_mb"].items()},
         "anon_rss_slope_steepest_process_mb_per_hour": {k: v["worst"] for k, v in per_process["anon_mb"].items()},
         "fds_slope_per_hour": {k: v["worst"] for k, v in per_process["fds"].items()},

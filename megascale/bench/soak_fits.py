@@ -40,6 +40,17 @@ def anon_mb(memory) -> float:
     return (memory.rss - memory.shared) / 2**20
 
 
+def shmem_mb(pid: int) -> Optional[float]:
+    """A process's resident shared-memory pages in MB (the loader's ring, snapshot and replica segments, flight
+    recorders), None once it is gone. Read from /proc/<pid>/status's RssShmem: psutil gives these only summed
+    with the file-backed pages (`shared`), and the two grow for different reasons."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next((int(line.split()[1]) / 1024 for line in status if line.startswith("RssShmem:")), None)
+    except OSError:
+        return None
+
+
 def _slope(t: np.ndarray, v: np.ndarray) -> float:
     return float(np.polyfit(t, v, 1)[0])
 
@@ -80,7 +91,7 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
         kind = out.setdefault(life[0]["kind"], {"pooled": None, "worst": None, "processes": 0})
         if life[-1]["time"] - life[0]["time"] - after_s < min_span_s:
             continue
-        t, v = fit_points(life, lambda s: s[field], after_s, disturbed)
+        t, v = fit_points(life, lambda s: s.get(field), after_s, disturbed)
         if len(t) < 3:
             continue
         slope = round(_slope(t, v), 2)
@@ -95,8 +106,8 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
 
 def file_pages_added(samples: list[dict], injected: list[dict], settle_s: float,
                      kind: str = "executor.rank") -> dict[str, Optional[float]]:
-    """The MB of file-backed pages (RSS less anonymous: library code, mapped files) that the `kind` processes
-    living through a fault added across it (the last sample before it to the first `settle_s` after), on
+    """The MB of file-backed pages (`file_mb`: library code, mapped files) that the `kind` processes living
+    through a fault added across it (the last sample before it to the first `settle_s` after), on
     average, for a fault of a kind not seen before (`first`: a recovery runs code no earlier one ran) and a
     repeat (`repeat`): pages of code run once stay resident, so a leak here grows on repeats too."""
     added: dict[str, list[float]] = {"first": [], "repeat": []}
@@ -109,9 +120,14 @@ def file_pages_added(samples: list[dict], injected: list[dict], settle_s: float,
                      if proc["kind"] == kind and key in before["processes"]]
             if lives:
                 added["repeat" if fault["kind"] in seen else "first"].append(statistics.fmean(
-                    (a["rss_mb"] - a["anon_mb"]) - (b["rss_mb"] - b["anon_mb"]) for b, a in lives))
+                    file_mb(a) - file_mb(b) for b, a in lives))
         seen.add(fault["kind"])
     return {k: round(statistics.fmean(v), 2) if v else None for k, v in added.items()}
+
+
+def file_mb(use: dict) -> float:
+    """A sampled process's file-backed MB: resident less anonymous, less shared memory where it was read."""
+    return use["rss_mb"] - use["anon_mb"] - (use.get("shmem_mb") or 0.0)
 
 
 def _runs(metrics: list[dict]) -> list[list[dict]]:

@@ -308,6 +308,7 @@ def test_a_sample_counts_shared_pages_in_rss_but_not_in_anon():
         (use,) = soak.sample()["processes"].values()
         assert use["rss_mb"] - use["anon_mb"] >= 64
         assert use["anon_mb"] < 64
+        assert use["shmem_mb"] >= 64  # told apart from file-backed pages, which grow for other reasons
     finally:
         child.stdin.close()
         child.wait(timeout=10)
@@ -325,6 +326,10 @@ def test_file_pages_a_fault_adds_are_split_into_a_kinds_first_and_its_repeats():
     # r2 started in the hang's recovery and r1 ended in it: neither lived through it. First: (3 + 1) / 2
     assert file_pages_added(samples, injected, settle_s=15) == {"first": 2.0, "repeat": 0.0}
     assert file_pages_added(samples[:1], injected, settle_s=15) == {"first": None, "repeat": None}
+    for later in samples[1:]:  # shared memory the ranks touched across the faults (a replica filled in) is not file
+        for use in later["processes"].values():
+            use["rss_mb"], use["shmem_mb"] = use["rss_mb"] + 5.0, 5.0
+    assert file_pages_added(samples, injected, settle_s=15) == {"first": 2.0, "repeat": 0.0}
 
 
 def test_the_loader_is_read_every_thousand_batches_and_leaves_nothing_running():
