@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from megascale.bench.soak_fits import anon_mb, growth_per_100
+from megascale.checkpoint.client import shutdown_keeper
 
 RANKS = 2
 
@@ -71,7 +72,10 @@ def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="megascale-bench-incarnations-") as root:
-        mp.spawn(_rank, args=(root, cycles, steps), nprocs=RANKS)
+        try:
+            mp.spawn(_rank, args=(root, cycles, steps), nprocs=RANKS)
+        finally:  # the ranks' keeper would otherwise wait out its 15 idle minutes on a directory now gone
+            shutdown_keeper(f"{root}/ckpt")
         anon = [json.loads((Path(root) / f"anon-{rank}.json").read_text()) for rank in range(RANKS)]
     return {"ranks": RANKS, "layout": "tp2", "steps_per_incarnation": steps, "anon_mb": anon,
             "mb_per_100_incarnations": max((g for series in anon if (g := growth_per_100(series)) is not None),

@@ -20,6 +20,7 @@ import pytest
 import megascale.bench.soak as soak_module
 from megascale.bench import BenchFailed
 from megascale.bench.soak import run, save_samples
+from megascale.bench.incarnations import incarnation_memory
 from megascale.bench.loader_memory import loader_memory
 from megascale.bench.host_probe import host_probe
 from megascale.bench.soak_processes import job_processes, life_key, process_kind
@@ -339,6 +340,26 @@ def test_the_loader_is_read_every_thousand_batches_and_leaves_nothing_running():
     assert 0 < result["anon_mb"][-1] < result["rss_mb"][-1]
     assert result["anon_mb_per_100k_batches"] is None  # 2 reads: nothing past the warm-up to fit
     assert [p for p in psutil.Process().children() if p.pid not in before] == []
+
+
+def test_the_incarnations_measure_stops_the_keeper_its_ranks_started():
+    """The ranks start their node's checkpoint keeper, which outlives them by design (15 idle minutes); the
+    measure's directory is gone when it returns, so the keeper must go with it (it lingered through soaks)."""
+    started = time.time()
+    result = incarnation_memory(cycles=2, steps=2)
+    assert [len(series) for series in result["anon_mb"]] == [2, 2]
+
+    def keepers() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "create_time"]):
+            line = " ".join(p.info["cmdline"] or ())
+            if "megascale.checkpoint.keeper" in line and "megascale-bench-incarnations-" in line \
+                    and p.info["create_time"] >= started - 1:
+                found.append(p)
+        return found
+
+    _, alive = psutil.wait_procs(keepers(), timeout=10)  # its socket closes a moment before it exits
+    assert alive == []
 
 
 def test_minutes_and_fault_interval_refuse_nan_inf_and_negatives_in_one_line(capsys, monkeypatch):
