@@ -53,7 +53,7 @@ def executor_pid(store: JobStore, node: str) -> int:
     write the job's Redis must not make `chaos` signal a process of theirs choosing."""
     raw = store.r.hget(f"megascale:{{{store.job}}}:local", node)
     if not raw:
-        raise ChaosError(f"job {store.job} has no local node {node!r}")
+        raise ChaosError(f"job {store.job} has no local node {node!r} in service (an evicted one's record is dropped)")
     proc = recorded_executor(store.job, node, raw, store.signer)
     if proc is None:
         raise ChaosError(f"node {node} is not running (evicted or stopped)")

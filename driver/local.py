@@ -110,7 +110,11 @@ class LocalBackend(Backend):
                 netemu.remove_node(self.net, node)
 
     def evict(self, node: str) -> None:
-        self.stop([node])  # nothing to cordon on one machine; its id is never reused
+        """Stops the node for good (nothing to cordon on one machine; its id is never reused) and drops its process
+        record, which `list` would otherwise look up every second for the rest of the job."""
+        self.stop([node])
+        self.r.hdel(self.key, node)
+        self._children.pop(node, None)
 
     def exited_before_reporting(self, nodes: list[str]) -> Optional[str]:
         for node in nodes:

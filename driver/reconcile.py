@@ -151,6 +151,7 @@ class Driver:
                 log.error("job %r vanished from Redis (restarted without persistence?)", self.job)
                 return 1
             self.ingest.members = rec.node_names()  # heartbeats of any other node are dropped
+            self.liveness.forget_others(self.ingest.members)
             if rec.terminal:
                 self._finish(rec)
                 self.telemetry.consumer.drain()  # the nodes flushed their last timings on exit: store them first
@@ -369,7 +370,7 @@ class Driver:
                          driver=self.holder, updated=time.time(), heartbeats=self.ingest.processed,
                          ignored=sum(self.ingest.ignored.values()), rejected=dict(self.ingest.ignored),
                          ettr=timings.ettr(rec), recoveries=rec.recoveries, recovered=rec.recovered,
-                         evicted=len(rec.slots("evicted")),
+                         evicted=rec.evicted,
                          mttr_s=timings.mttr(rec), stragglers=[describe(f) for f in self.telemetry.metrics.findings],
                          prometheus=self.telemetry.prometheus_url, timings_stored=self.telemetry.consumer.stored)
 

@@ -43,6 +43,9 @@ class JobState(str, Enum):
 
 TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}
 RECONNECT_TRIES = 15  # ~12 s of backoff (0.1, 0.2, 0.4, 0.8, then 1 s each)
+# Evicted nodes whose slots the record keeps (the newest; older ones are only counted): the record is rewritten
+# every pass, and faults over weeks evict hundreds. At least what a status lists (the operator's 32).
+EVICTED_KEPT = 64
 
 TRANSITIONS: dict[JobState, set[JobState]] = {
     JobState.PENDING: {JobState.INITIALIZING, JobState.PAUSED},
@@ -153,6 +156,7 @@ class JobRecord:
     last_seen_step: Optional[tuple[int, int, float]] = None
     dp: Optional[int] = None  # the dp the ranks run at when shrunk (control.no_spare); None: parallelism.dp
     checking: dict[str, BackgroundCheck] = field(default_factory=dict)  # node -> its self-check in the background
+    evicted_forgotten: int = 0  # evicted nodes whose slots were dropped (EVICTED_KEPT)
 
     def move(self, state: JobState, reason: str = "") -> JobState:
         """Enters `state`; returns the previous one. Refuses transitions the machine does not have."""
@@ -176,6 +180,19 @@ class JobRecord:
         evicted = [slot.node for slot in self.slots("evicted")]
         newest = set(evicted[-evicted_kept:]) if evicted_kept else set()
         return [slot for slot in self.nodes if slot.role != "evicted" or slot.node in newest]
+
+    @property
+    def evicted(self) -> int:
+        """Nodes evicted, ever."""
+        return self.evicted_forgotten + len(self.slots("evicted"))
+
+    def forget_old_evicted(self, kept: int = EVICTED_KEPT) -> None:
+        """Drops the slots of all but the newest `kept` evicted nodes (by node id), counting them. Their ids stay
+        unused (`next_node`), and heartbeats naming them are dropped as from no node of the job."""
+        evicted = self.slots("evicted")
+        for slot in evicted[:max(0, len(evicted) - kept)]:
+            self.nodes.remove(slot)
+            self.evicted_forgotten += 1
 
     def slot(self, node: str) -> Optional[NodeSlot]:
         return next((s for s in self.nodes if s.node == node), None)

@@ -104,6 +104,13 @@ class Liveness:
         self._exited: set[str] = set()
         self._checked = 0.0
 
+    def forget_others(self, nodes: frozenset[str]) -> None:
+        """Drops what it knows of nodes outside `nodes` (those the record no longer keeps: long evicted)."""
+        for node in [n for n in list(self.views) if n not in nodes]:
+            self.views.pop(node, None)
+        for node in [n for n in self.born if n not in nodes]:
+            del self.born[node]
+
     def silence(self, node: str) -> float:
         """Seconds since the node was last heard from, counting from this driver's (or the node's) start at most."""
         view = self.views.get(node)

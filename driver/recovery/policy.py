@@ -41,7 +41,7 @@ def evictions(rec: JobRecord, recovery: Recovery, dead: list[str], cfg: JobConfi
     if not cfg.control.auto_recover:
         return {}
     return {n: recovery.bad.get(n) or f"dead ({rec.slot(n).dead})" for n in sorted(set(dead) | set(recovery.bad))
-            if rec.slot(n).role != "evicted"}
+            if (slot := rec.slot(n)) is not None and slot.role != "evicted"}
 
 
 def straggler_to_evict(findings: Iterable[Finding], control: ControlConfig) -> Optional[Finding]:

@@ -8,6 +8,7 @@ import yaml
 
 from megascale.cli import main
 from megascale.common.processes import pid_alive
+from megascale.driver.backend import Backend
 from megascale.driver.services import JobHandle, port_open
 from megascale.driver.state import JobState, JobStore, status_view
 
@@ -26,6 +27,23 @@ def job_yaml(tmp_path: Path, name: str, steps: int, **control) -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+class StubBackend(Backend):
+    """A backend with no nodes behind it, for the driver's decisions alone; it notes what it evicted."""
+
+    def __init__(self):
+        self.evicted: list[str] = []
+
+    def start(self, nodes): pass
+
+    def stop(self, nodes, grace_s=10.0): pass
+
+    def list(self): return {}
+
+    def evict(self, node): self.evicted.append(node)
+
+    def log_files(self, node): return []
 
 
 class Job:

@@ -51,6 +51,7 @@ def test_a_forged_process_record_gets_no_process_killed(backend):
         local.stop(["n0", "n1"], grace_s=0.5)
         local.evict("n1")
         assert sleeper.poll() is None and lookalike.poll() is None, "a process the driver did not start was killed"
+        assert local.r.hget(KEY, "n1") is None and "n1" not in local.list()  # evicted: never looked up again
 
         # The same process with a record a component of the job signed is the node's: it is stopped.
         local.r.hset(KEY, "n0", secrets.signer().sign(record(lookalike)))

@@ -7,13 +7,14 @@ import time
 
 from megascale.common.messages import ErrorLine, Heartbeat, RankStatus
 from megascale.config import from_dict
-from megascale.driver.backend import Backend
 from megascale.driver.ingest import NodeView
 from megascale.driver.pool import NodePool
 from megascale.driver.recovery import selfcheck
 from megascale.driver.recovery.detection import detect_faults
 from megascale.driver.recovery.recoverer import Recoverer
 from megascale.driver.state import Fault, JobRecord, JobState, NodeSlot, Recovery
+
+from control_plane_support import StubBackend  # noqa: E402 - tests/driver is on sys.path (conftest)
 
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python, GPU has fallen off the bus."
 
@@ -50,21 +51,6 @@ def test_a_hardware_error_is_the_fault_even_when_its_rank_and_a_peer_failed_too(
     recovery = Recovery(fault, timeline=None)
     assert not selfcheck.wanted(fault, cfg)  # the line is the evidence: no check before or beside the restart
     assert selfcheck.plan(rec, recovery, cfg, gone=lambda node: False) == ([], [])
-
-
-class StubBackend(Backend):
-    def __init__(self):
-        self.evicted: list[str] = []
-
-    def start(self, nodes): pass
-
-    def stop(self, nodes, grace_s=10.0): pass
-
-    def list(self): return {}
-
-    def evict(self, node): self.evicted.append(node)
-
-    def log_files(self, node): return []
 
 
 class Host:

@@ -10,7 +10,11 @@ from megascale.common.messages import Heartbeat
 from megascale.config import from_dict
 from megascale.driver.ingest import NodeView
 from megascale.driver.recovery import policy, selfcheck, timings
-from megascale.driver.state import Fault, JobRecord, JobState, NodeSlot, Recovery, Timeline
+from megascale.driver.pool import NodePool
+from megascale.driver.recovery.detection import Liveness
+from megascale.driver.state import EVICTED_KEPT, Fault, JobRecord, JobState, NodeSlot, Recovery, Timeline
+
+from control_plane_support import StubBackend  # noqa: E402 - tests/driver is on sys.path (conftest)
 
 
 def config(**control):
@@ -181,3 +185,30 @@ def test_a_status_lists_the_newest_evicted_nodes_and_counts_them_all():
     console.print(job_table("j", status))
     text = console.export_text()
     assert f"(and {30 - EVICTED_SHOWN} nodes evicted before these)" in text and "recoveries 31" in text
+
+
+def test_the_record_keeps_the_newest_evicted_nodes_and_counts_all_however_many_faults_evict():
+    """Weeks of faults evict hundreds of nodes: the record (rewritten every pass) and what the driver knows of
+    nodes (heartbeat views, start times) stay the size of the newest EVICTED_KEPT; the count stays whole."""
+    cfg = config()
+    pool, rec, sizes = NodePool(StubBackend(), cfg), JobRecord(job="j", config={}, run_dir="/r"), {}
+    for evictions in range(1, 301):
+        pool.ensure(rec, spares=1)
+        pool.evict(rec, rec.slots("active")[0].node)
+        sizes[evictions] = len(rec.to_json())
+    assert rec.evicted == 300 and JobRecord.from_json(rec.to_json()).evicted == 300
+    evicted = [int(s.node[1:]) for s in rec.slots("evicted")]
+    assert evicted == list(range(303 - EVICTED_KEPT, 303))  # n0, then each spare (n4, n5, ...) put at position 0
+    assert abs(sizes[300] - sizes[200]) < 10  # the same but for a digit or two of its counts: no slot more
+    assert sizes[EVICTED_KEPT] - sizes[10] > 1000  # (each slot kept is ~50 bytes)
+    assert len(rec.slots("active")) == 4 and rec.next_node == 304
+
+    gone = Recovery(Fault("node_dead", "n0", "node n0: no heartbeat"), timeline=None, bad={"n4": "gemm"})
+    assert policy.evictions(rec, gone, ["n0"], cfg) == {}  # forgotten nodes: nothing to evict, no lookup fails
+
+    ever = [f"n{i}" for i in range(rec.next_node)]
+    liveness = Liveness({node: object() for node in ever}, StubBackend(), cfg)
+    liveness.born = {node: 0.0 for node in ever}
+    liveness.forget_others(rec.node_names())
+    assert set(liveness.views) == set(liveness.born) == rec.node_names()
+    assert len(rec.node_names()) == EVICTED_KEPT + 4  # and the active ones

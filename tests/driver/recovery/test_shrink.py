@@ -2,16 +2,15 @@
 nodes run it, and the restart that grows it back (the end-to-end run with GPT ranks: test_shrink_gpt.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from megascale.config import ConfigError, from_dict
-from megascale.driver.backend import Backend
 from megascale.driver.pool import NodePool
 from megascale.driver.recovery import shrink
 from megascale.driver.state import JobRecord
 from megascale.elastic import resized, shrunk_dp
+
+from control_plane_support import StubBackend  # noqa: E402 - tests/driver is on sys.path (conftest)
 
 
 def raw(**sections) -> dict:
@@ -21,14 +20,6 @@ def raw(**sections) -> dict:
     for name, fields in sections.items():
         config[name] = {**config.get(name, {}), **fields}
     return config
-
-
-class NoBackend(Backend):
-    def start(self, nodes: list[str]) -> None: pass
-    def stop(self, nodes: list[str], grace_s: float = 10.0) -> None: pass
-    def list(self) -> dict: return {}
-    def evict(self, node: str) -> None: pass
-    def log_files(self, node: str) -> list[Path]: return []
 
 
 @pytest.mark.parametrize("sections, nodes, expected", [
@@ -61,7 +52,7 @@ def test_the_ranks_of_a_shrunk_job_get_its_dp_and_more_microbatches_per_rank():
 
 
 def pool_and_record(config: dict) -> tuple[NodePool, JobRecord]:
-    pool = NodePool(NoBackend(), from_dict(config))
+    pool = NodePool(StubBackend(), from_dict(config))
     rec = JobRecord(job="j", config=config, run_dir="/r")
     pool.ensure(rec)
     return pool, rec
