@@ -53,7 +53,10 @@ def executor_pid(store: JobStore, node: str) -> int:
     write the job's Redis must not make `chaos` signal a process of theirs choosing."""
     raw = store.r.hget(f"megascale:{{{store.job}}}:local", node)
     if not raw:
-        raise ChaosError(f"job {store.job} has no local node {node!r} in service (an evicted one's record is dropped)")
+        rec = store.load()
+        slot = rec.slot(node) if rec else None
+        raise ChaosError(f"node {node} of job {store.job} was evicted" if slot and slot.role == "evicted" else
+                         f"job {store.job} has no local node {node!r}")
     proc = recorded_executor(store.job, node, raw, store.signer)
     if proc is None:
         raise ChaosError(f"node {node} is not running (evicted or stopped)")

@@ -14,7 +14,7 @@ from megascale.common.auth import SECRETS_ENV, JobSecrets
 from megascale.driver.backend import NodeLaunch
 from megascale.driver.chaos import ChaosError, inject
 from megascale.driver.local import LocalBackend
-from megascale.driver.state import JobStore
+from megascale.driver.state import JobRecord, JobStore, NodeSlot
 
 KEY = "megascale:{j}:local"
 
@@ -84,6 +84,10 @@ def test_chaos_signals_only_a_live_executor_of_the_job(backend):
             inject(store, "freeze-node", "n0")
         with pytest.raises(ChaosError, match="has no local node 'n7'"):
             inject(store, "kill-node", "n7")
+        store.submit(JobRecord("j", {}, "/r", nodes=[NodeSlot("n0", "active", 0), NodeSlot("n1", "evicted")]))
+        local.evict("n1")  # its process record is dropped
+        with pytest.raises(ChaosError, match="^node n1 of job j was evicted$"):
+            inject(store, "kill-node", "n1")
     finally:
         for proc in (sleeper, executor):
             proc.kill()
