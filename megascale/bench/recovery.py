@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
             status = functools.partial(_job_status, store)
             wait_for(lambda: (status().get("step") or 0) >= 15, 60, "training progress")
             injected = []
-            driver_rss_mb, faults = [], []
+            driver_rss_mb, record_kb, faults = [], [], []
             for i in range(count):
                 kind, now = kinds[i % len(kinds)], status()
                 node = rng.choice([n["node"] for n in now["nodes"] if n["role"] == "active"])
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> dict:
                 faults += wait_for(lambda: recoveries_after(status(), before), 60, f"recovery from {kind} on {node}")
                 time.sleep(max(1.0, interval - (time.time() - injected[-1])))  # steady training between faults
                 driver_rss_mb.append(_rss_mb(JobHandle.load(JOB).driver_pid))
+                record_kb.append(round(len(store.r.get(store.k_record) or b"") / 1024, 2))
             final = status()
         finally:
             with contextlib.suppress(redis.RedisError):  # a job that ended took its Redis with it
@@ -119,7 +120,11 @@ def run(args: argparse.Namespace) -> dict:
         # ettr is at fault_interval_s, a fault every few seconds).
         "ettr_at_5min_interval": round(1 - sum(f["total_s"] for f in faults) / len(faults) / 300, 4),
         "heartbeat_s": HEARTBEAT_S,
-        **driver_growth(driver_rss_mb, len(kinds)),
+        "driver_rss_mb": driver_rss_mb,
+        "driver_rss_mb_per_100_recoveries": per_100_recoveries(driver_rss_mb, len(kinds)),
+        "evicted": final.get("evicted"),
+        "job_record_kb": record_kb,  # what the driver rewrites every pass
+        "job_record_kb_per_100_recoveries": per_100_recoveries(record_kb, len(kinds)),
     }
 
 
@@ -140,14 +145,14 @@ def _rss_mb(pid: int | None) -> float | None:
         return None
 
 
-def driver_growth(rss_mb: list[float | None], cycle: int) -> dict:
-    """The driver's RSS after each recovery and its growth per 100 recoveries over the second half of them, past
-    two cycles of fault kinds at least: what weeks of faults would add. Left out, what happens once early on:
-    every code path's first run, and the metrics store's first compaction (step 1,000), which starts pyarrow's
-    I/O threads (+13 MB, 4 threads, whatever the recoveries)."""
-    settled = [(i, v) for i, v in enumerate(rss_mb) if v is not None and i >= max(2 * cycle, len(rss_mb) // 2)]
-    slope = None
-    if len(settled) >= 10:
-        x, y = np.array(settled).T
-        slope = round(float(np.polyfit(x, y, 1)[0]) * 100, 2)
-    return {"driver_rss_mb": rss_mb, "driver_rss_mb_per_100_recoveries": slope}
+def per_100_recoveries(after_each: list[float | None], cycle: int) -> float | None:
+    """Growth per 100 recoveries of a figure read after each one (the driver's RSS, the job record's size), over
+    the second half of them, past two cycles of fault kinds at least: what weeks of faults would add. Left out,
+    what happens once early on: every code path's first run, the metrics store's first compaction (step 1,000),
+    which starts pyarrow's I/O threads (+13 MB, 4 threads, whatever the recoveries), the first evicted nodes
+    the record keeps (state.EVICTED_KEPT). None with fewer than 10 such points."""
+    settled = [(i, v) for i, v in enumerate(after_each) if v is not None and i >= max(2 * cycle, len(after_each) // 2)]
+    if len(settled) < 10:
+        return None
+    x, y = np.array(settled).T
+    return round(float(np.polyfit(x, y, 1)[0]) * 100, 2)

@@ -23,15 +23,16 @@ def test_quick_recovery_bench_reports_every_fault_and_the_tracked_keys(monkeypat
     assert result["hang_detection_past_threshold_s"] < 1.5 * bench_recovery.HEARTBEAT_S
     assert len(result["driver_rss_mb"]) == 3 and all(v > 0 for v in result["driver_rss_mb"])
     assert result["driver_rss_mb_per_100_recoveries"] is None  # 3 faults: no settled span to fit
+    assert result["evicted"] == 1 and len(result["job_record_kb"]) == 3  # kill-node evicts its node
+    assert all(1 < kb < 20 for kb in result["job_record_kb"]) and result["job_record_kb_per_100_recoveries"] is None
 
 
-def test_driver_growth_is_fitted_over_the_second_half_past_two_cycles_of_fault_kinds():
+def test_growth_is_fitted_over_the_second_half_past_two_cycles_of_fault_kinds():
     one_time = [100.0, 104.0, 110.0, 111.0, 120.0, 121.0] + [121.0] * 10 + [134.0] * 10  # first uses: left out
     settled = [134.0 + 0.02 * i for i in range(30)]  # 0.02 MB a recovery
-    result = bench_recovery.driver_growth(one_time + settled, cycle=3)
-    assert result["driver_rss_mb_per_100_recoveries"] == pytest.approx(2.0, abs=0.01)
-    assert bench_recovery.driver_growth(one_time + [None] * 30, cycle=3)["driver_rss_mb_per_100_recoveries"] is None
-    assert bench_recovery.driver_growth(settled[:12], cycle=5)["driver_rss_mb_per_100_recoveries"] is None
+    assert bench_recovery.per_100_recoveries(one_time + settled, cycle=3) == pytest.approx(2.0, abs=0.01)
+    assert bench_recovery.per_100_recoveries(one_time + [None] * 30, cycle=3) is None
+    assert bench_recovery.per_100_recoveries(settled[:12], cycle=5) is None
 
 
 def test_a_job_that_ended_early_fails_the_benchmark_in_one_line(monkeypatch):
