@@ -71,3 +71,24 @@ def test_one_driver_holds_the_lease_until_it_lapses(store):
     assert store.acquire_lease("b", 0.3) and store.lease_holder() == "b"
     store.release_lease("a")  # not a's any more: no effect
     assert store.lease_holder() == "b"
+
+
+def test_an_unchanged_record_is_not_written_again_but_one_a_restarted_redis_lost_is(store):
+    """Most driver passes change nothing: the record goes to Redis (and its append-only file) only when it differs
+    from what Redis holds, as last read or written; a write Redis lost is made again after the next read."""
+    def writes() -> int:
+        return store.r.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+
+    store.submit(JobRecord(job="j", config={}, run_dir="/a"))
+    rec, before = store.load(), writes()
+    store.save(rec)
+    store.save(rec)
+    assert writes() == before  # the bytes it read
+    rec.restarts = 1
+    store.save(rec)
+    store.save(rec)
+    assert writes() == before + 1 and store.load().restarts == 1
+    store.r.set(store.k_record, JobRecord(job="j", config={}, run_dir="/a").to_json())  # a restart lost the write
+    assert store.load().restarts == 0
+    store.save(rec)
+    assert store.load().restarts == 1
