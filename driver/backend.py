@@ -53,6 +53,10 @@ class Backend(ABC):
         """Stop the node and keep its machine out of this job (Kubernetes: anti-affinity; the operator cordons
         the machine only if it failed its self-check)."""
 
+    def forget_evicted(self, nodes: list[str]) -> None:
+        """Drops what the backend keeps per evicted node for these, which the job record no longer names (weeks
+        of evictions must not grow it); the machines they ran on stay avoided."""
+
     @abstractmethod
     def log_files(self, node: str) -> list[Path]:
         """Readable logs of a node, executor first, for `megascale logs` (empty if not local files)."""

@@ -48,7 +48,7 @@ class NodePool:
         index, was_active = slot.index, slot.role == "active"
         slot.role, slot.index = "evicted", None
         self.backend.evict(node)
-        rec.forget_old_evicted()
+        self.backend.forget_evicted(rec.forget_old_evicted())
         if not was_active:
             return None
         spare = next((s for s in rec.slots("spare") if not s.dead), None)

@@ -186,13 +186,16 @@ class JobRecord:
         """Nodes evicted, ever."""
         return self.evicted_forgotten + len(self.slots("evicted"))
 
-    def forget_old_evicted(self, kept: int = EVICTED_KEPT) -> None:
-        """Drops the slots of all but the newest `kept` evicted nodes (by node id), counting them. Their ids stay
-        unused (`next_node`), and heartbeats naming them are dropped as from no node of the job."""
+    def forget_old_evicted(self, kept: int = EVICTED_KEPT) -> list[str]:
+        """Drops the slots of all but the newest `kept` evicted nodes (by node id), counting them, and returns
+        their ids. The ids stay unused (`next_node`), and heartbeats naming them are dropped as from no node of
+        the job."""
         evicted = self.slots("evicted")
-        for slot in evicted[:max(0, len(evicted) - kept)]:
+        forgotten = evicted[:max(0, len(evicted) - kept)]
+        for slot in forgotten:
             self.nodes.remove(slot)
-            self.evicted_forgotten += 1
+        self.evicted_forgotten += len(forgotten)
+        return [slot.node for slot in forgotten]
 
     def slot(self, node: str) -> Optional[NodeSlot]:
         return next((s for s in self.nodes if s.node == node), None)

@@ -64,6 +64,13 @@ class K8sState:
         self.r.hset(self.k_node_hosts, node, host)
         self.add_evicted_hosts(host)
 
+    def forget_nodes(self, nodes: list[str]) -> None:
+        """Drops the machine each of these evicted nodes ran on and the operator's excuse for it; the machines
+        themselves stay in `evicted_hosts`."""
+        if nodes:
+            self.r.hdel(self.k_node_hosts, *nodes)
+            self.r.hdel(self.k_excused, *nodes)
+
     def host_of(self, node: str) -> Optional[str]:
         """The machine an evicted node ran on."""
         raw = self.r.hget(self.k_node_hosts, node)
@@ -266,6 +273,9 @@ class KubernetesBackend(Backend):
                                  uid=(pod or {}).get("metadata", {}).get("uid"))
         except api_retry.API_ERRORS as e:  # its pod goes with the job at the latest; the node id is never reused
             log.warning("could not delete node %s's pod: %s", node, api_retry.message(e))
+
+    def forget_evicted(self, nodes: list[str]) -> None:
+        self.state.forget_nodes(nodes)
 
     def _blames(self, node: str, pod: dict) -> bool:
         """Whether the node's end may be its machine's fault, from the pod itself and the operator's verdict."""

@@ -30,10 +30,12 @@ def job_yaml(tmp_path: Path, name: str, steps: int, **control) -> str:
 
 
 class StubBackend(Backend):
-    """A backend with no nodes behind it, for the driver's decisions alone; it notes what it evicted."""
+    """A backend with no nodes behind it, for the driver's decisions alone; it notes what it evicted and which
+    evicted nodes it was told to forget."""
 
     def __init__(self):
         self.evicted: list[str] = []
+        self.forgotten: list[str] = []
 
     def start(self, nodes): pass
 
@@ -42,6 +44,8 @@ class StubBackend(Backend):
     def list(self): return {}
 
     def evict(self, node): self.evicted.append(node)
+
+    def forget_evicted(self, nodes): self.forgotten.extend(nodes)
 
     def log_files(self, node): return []
 

@@ -119,6 +119,22 @@ def test_a_hardware_error_in_a_ranks_log_cordons_its_machine_and_a_crash_does_no
     assert judge(api, operator, jobs) == {"m1"}  # nor does the crash tracker count one job
 
 
+def test_evicted_nodes_the_record_forgot_leave_no_entries_but_their_machines_stay_avoided(cluster):
+    """Weeks of evictions: the driver drops an evicted node from the job record (NodePool.evict ->
+    forget_evicted), and its machine and excuse go with it from Redis; the job still avoids the machine."""
+    api, operator, jobs = cluster
+    rt = operator.runtimes[(NS, "a")]
+    backend = KubernetesBackend(operator.kube, NS, "a", launch("a"), rt.store.r, PodPolicy())
+    rt.state.excuse("n0", "preempted")
+    backend.evict("n1")
+    assert rt.state.host_of("n1") == "m1" and rt.state.excused("n0")
+    backend.forget_evicted(["n0", "n1"])
+    assert rt.state.host_of("n1") is None and not rt.state.excused("n0")
+    assert rt.state.evicted_hosts() == ["m1"]
+    assert rt.store.r.exists(rt.state.k_node_hosts, rt.state.k_excused) == 0
+    backend.forget_evicted([])  # nothing forgotten: no call Redis would refuse (HDEL needs a field)
+
+
 def test_a_hardware_error_cordons_only_within_budget_and_pool(cluster):
     api, operator, jobs = cluster
     rt = operator.runtimes[(NS, "a")]

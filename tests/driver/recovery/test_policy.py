@@ -191,7 +191,8 @@ def test_the_record_keeps_the_newest_evicted_nodes_and_counts_all_however_many_f
     """Weeks of faults evict hundreds of nodes: the record (rewritten every pass) and what the driver knows of
     nodes (heartbeat views, start times) stay the size of the newest EVICTED_KEPT; the count stays whole."""
     cfg = config()
-    pool, rec, sizes = NodePool(StubBackend(), cfg), JobRecord(job="j", config={}, run_dir="/r"), {}
+    backend = StubBackend()
+    pool, rec, sizes = NodePool(backend, cfg), JobRecord(job="j", config={}, run_dir="/r"), {}
     for evictions in range(1, 301):
         pool.ensure(rec, spares=1)
         pool.evict(rec, rec.slots("active")[0].node)
@@ -199,6 +200,7 @@ def test_the_record_keeps_the_newest_evicted_nodes_and_counts_all_however_many_f
     assert rec.evicted == 300 and JobRecord.from_json(rec.to_json()).evicted == 300
     evicted = [int(s.node[1:]) for s in rec.slots("evicted")]
     assert evicted == list(range(303 - EVICTED_KEPT, 303))  # n0, then each spare (n4, n5, ...) put at position 0
+    assert backend.forgotten == ["n0"] + [f"n{i}" for i in range(4, 303 - EVICTED_KEPT)]  # what the backend kept
     assert abs(sizes[300] - sizes[200]) < 10  # the same but for a digit or two of its counts: no slot more
     assert sizes[EVICTED_KEPT] - sizes[10] > 1000  # (each slot kept is ~50 bytes)
     assert len(rec.slots("active")) == 4 and rec.next_node == 304
