@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from megascale.bench.soak_fits import anon_mb, growth_per_100
+from megascale.bench.soak_fits import anon_mb, growth_per_100, shmem_mb
 from megascale.checkpoint.client import shutdown_keeper
 
 RANKS = 2
@@ -41,7 +41,7 @@ def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
     raw["train"]["run_dir"] = root
     del raw["cluster"], raw["control"]
     cfg = from_dict(raw)
-    kept, fresh, anon = KeptTrainer(), FreshState(), []
+    kept, fresh, anon, file = KeptTrainer(), FreshState(), [], []
     for cycle in range(cycles):
         ctx = init_rank(layout_of(cfg), rank, f"file://{root}/rendezvous-{cycle}", cfg.comm, backend="gloo",
                         sequence_parallel=True, local_rank=rank, local_world_size=RANKS, threads=1)
@@ -62,13 +62,17 @@ def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
         abort_rank()
         shutdown_rank(ctx)
         release()
-        anon.append(round(anon_mb(psutil.Process().memory_info()), 1))
-    (Path(root) / f"anon-{rank}.json").write_text(json.dumps(anon))
+        memory = psutil.Process().memory_info()
+        anon.append(round(anon_mb(memory), 1))
+        file.append(round(memory.shared / 2**20 - (shmem_mb(psutil.Process().pid) or 0.0), 1))
+    (Path(root) / f"memory-{rank}.json").write_text(json.dumps({"anon_mb": anon, "file_mb": file}))
 
 
 def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
     """Each rank's anonymous MB after each incarnation, and its growth per incarnation fitted over the second
-    half (past the heap's warm-up): what 100 recoveries would add to a rank that lives through them."""
+    half (past the heap's warm-up): what 100 recoveries would add to a rank that lives through them. Also each
+    rank's file-backed MB (`file_mb`) and what it added after its first incarnation and after its second
+    (`file_mb_added_after_second`: code a restart runs is paged in by the first restarts, then stays)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="megascale-bench-incarnations-") as root:
@@ -76,8 +80,12 @@ def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
             mp.spawn(_rank, args=(root, cycles, steps), nprocs=RANKS)
         finally:  # the ranks' keeper would otherwise wait out its 15 idle minutes on a directory now gone
             shutdown_keeper(f"{root}/ckpt")
-        anon = [json.loads((Path(root) / f"anon-{rank}.json").read_text()) for rank in range(RANKS)]
+        memory = [json.loads((Path(root) / f"memory-{rank}.json").read_text()) for rank in range(RANKS)]
+    anon, file = [m["anon_mb"] for m in memory], [m["file_mb"] for m in memory]
     return {"ranks": RANKS, "layout": "tp2", "steps_per_incarnation": steps, "anon_mb": anon,
             "mb_per_100_incarnations": max((g for series in anon if (g := growth_per_100(series)) is not None),
-                                           default=None)}
+                                           default=None),
+            "file_mb": file,
+            "file_mb_added_after_second": max(round(series[-1] - series[1], 1) for series in file)
+            if cycles > 2 else None}
 

@@ -106,23 +106,27 @@ def process_slopes(samples: list[dict], field: str, after_s: float, min_span_s: 
 
 def file_pages_added(samples: list[dict], injected: list[dict], settle_s: float,
                      kind: str = "executor.rank") -> dict[str, Optional[float]]:
-    """The MB of file-backed pages (`file_mb`: library code, mapped files) that the `kind` processes living
-    through a fault added across it (the last sample before it to the first `settle_s` after), on
-    average, for a fault of a kind not seen before (`first`: a recovery runs code no earlier one ran) and a
-    repeat (`repeat`): pages of code run once stay resident, so a leak here grows on repeats too."""
+    """The MB of file-backed pages (`file_mb`: library code, mapped files) that a `kind` process living through
+    a fault added across it (the last sample before it to the first `settle_s` after), on average, for a
+    fault of a kind that process had not lived through before (`first`: its recovery runs code the process
+    never ran) and for a repeat (`repeat`), with how many of each were seen (`first_n`, `repeat_n`): pages
+    of code run once stay resident, so a leak here grows on repeats too. Counted per process: ranks that
+    faults start anew meet each kind for the first time, however often the job has."""
     added: dict[str, list[float]] = {"first": [], "repeat": []}
-    seen: set[str] = set()
+    lived: dict[str, set[str]] = {}  # process -> fault kinds it lived through
     for fault in injected:
         before = next((s for s in reversed(samples) if s["time"] < fault["time"]), None)
         after = next((s for s in samples if s["time"] >= fault["time"] + settle_s), None)
-        if before is not None and after is not None:
-            lives = [(before["processes"][key], proc) for key, proc in after["processes"].items()
-                     if proc["kind"] == kind and key in before["processes"]]
-            if lives:
-                added["repeat" if fault["kind"] in seen else "first"].append(statistics.fmean(
-                    file_mb(a) - file_mb(b) for b, a in lives))
-        seen.add(fault["kind"])
-    return {k: round(statistics.fmean(v), 2) if v else None for k, v in added.items()}
+        if before is None or after is None:
+            continue
+        for key, proc in after["processes"].items():
+            if proc["kind"] == kind and key in before["processes"]:
+                seen = lived.setdefault(key, set())
+                added["repeat" if fault["kind"] in seen else "first"].append(
+                    file_mb(proc) - file_mb(before["processes"][key]))
+                seen.add(fault["kind"])
+    return {**{k: round(statistics.fmean(v), 2) if v else None for k, v in added.items()},
+            **{f"{k}_n": len(v) for k, v in added.items()}}
 
 
 def file_mb(use: dict) -> float:
