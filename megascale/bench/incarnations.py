@@ -10,6 +10,7 @@ first few incarnations and then stops is warm-up; one that grows at the end stil
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -64,15 +65,16 @@ def _rank(rank: int, root: str, cycles: int, steps: int) -> None:
         release()
         memory = psutil.Process().memory_info()
         anon.append(round(anon_mb(memory), 1))
-        file.append(round(memory.shared / 2**20 - (shmem_mb(psutil.Process().pid) or 0.0), 1))
+        file.append(round(memory.shared / 2**20 - (shmem_mb(os.getpid()) or 0.0), 1))
     (Path(root) / f"memory-{rank}.json").write_text(json.dumps({"anon_mb": anon, "file_mb": file}))
 
 
 def incarnation_memory(cycles: int = 16, steps: int = 6) -> dict:
     """Each rank's anonymous MB after each incarnation, and its growth per incarnation fitted over the second
     half (past the heap's warm-up): what 100 recoveries would add to a rank that lives through them. Also each
-    rank's file-backed MB (`file_mb`) and what it added after its first incarnation and after its second
-    (`file_mb_added_after_second`: code a restart runs is paged in by the first restarts, then stays)."""
+    rank's file-backed MB (`file_mb`) and the most any rank's grew from its second incarnation to its last
+    (`file_mb_added_after_second`; None below 3 incarnations): code a restart runs is paged in by the first
+    restarts, then stays."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="megascale-bench-incarnations-") as root:
