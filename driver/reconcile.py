@@ -34,7 +34,8 @@ from .ingest import HeartbeatIngest
 from .metrics.straggler_report import describe
 from .pool import NodePool
 from .recovery import HangClock, Liveness, Recoverer, all_succeeded, checkpoint_waits, progress, shrink, timings
-from .state import Fault, JobRecord, JobState, JobStatus, JobStore, NodeStatus, Phase
+from .recovery_record import Fault
+from .state import JobRecord, JobState, JobStatus, JobStore, NodeStatus, Phase
 from .telemetry import Telemetry
 
 TICK_S = 0.25

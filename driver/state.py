@@ -29,6 +29,8 @@ from megascale.common import auth, typed
 from megascale.common.messages import (Ack, Command, MessageError, acks_key, command_stream, decode, encode,
                                        selfchecks_key, training_key)
 
+from .recovery_record import BackgroundCheck, Recovery, Timeline
+
 
 class JobState(str, Enum):
     PENDING = "Pending"  # nodes being started
@@ -73,50 +75,6 @@ class Phase(str, Enum):
     LOCALIZE = "flight"  # Recovering from a hang: every rank's flight recorder
     STOP = "stop"  # Recovering, Paused: every rank of the incarnation
     SELFCHECK = "diagnose"  # Recovering: the suspects and their group peers
-
-
-FaultKind = Literal["node_dead", "rank_failed", "ranks_stopped", "rank_error", "nan_loss", "hang", "straggler",
-                    "start_failed", "unresponsive", "evicted", "selfcheck_failed"]
-
-
-@dataclass
-class Fault:
-    kind: FaultKind
-    node: Optional[str]  # where it was found, or localised to; None: no node in particular
-    message: str  # one line for `status` and the events topic
-    detail: dict = field(default_factory=dict)
-
-
-@dataclass
-class Timeline:
-    """One recovery's moments (epoch seconds) for MTTR: detect, diagnose, restart, catch up."""
-    occurred: float  # best estimate of when the fault happened
-    detected: float
-    step: int  # the step training had reached: caught up once the next incarnation reaches it again
-    incarnation: int  # the incarnation the fault struck
-    diagnosed: Optional[float] = None  # the policy decided
-    resumed: Optional[float] = None  # the next incarnation reported a step
-    restored_step: Optional[int] = None  # the step it restored
-
-
-@dataclass
-class Recovery:
-    """The newest fault and its handling (driver/recovery/); replaced by the next fault."""
-    fault: Fault
-    timeline: Optional[Timeline]  # None once training caught up: its figures are in JobRecord.recoveries
-    suspects: list[str] = field(default_factory=list)  # nodes the self-check starts from
-    later: list[str] = field(default_factory=list)  # nodes to self-check beside the restarted ranks
-    bad: dict[str, str] = field(default_factory=dict)  # node -> why its self-check failed
-    rechecked: list[str] = field(default_factory=list)  # nodes given their one retry (control.crashed_selfcheck)
-
-
-@dataclass
-class BackgroundCheck:
-    """A self-check running beside the restarted ranks (a node-local fault's node, or a peer: recovery/selfcheck.py)."""
-    seq: int  # of its `diagnose` command; the result comes under JobStore.selfchecks, not the acks
-    sent: float  # epoch seconds
-    retried: bool = False  # no second check after a failure (control.crashed_selfcheck=retry gives the fault's
-    # own node one: this is it; a peer gets none)
 
 
 @dataclass

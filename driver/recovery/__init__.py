@@ -8,7 +8,7 @@
 - timings.py: each recovery's MTTR phases, and ETTR
 - recoverer.py: a recovery step by step, each step awaited through the job record
 
-The recovery record itself (Phase, Fault, Recovery) is part of the job record: driver/state.py.
+The recovery record itself (Fault, Recovery) is part of the job record: driver/recovery_record.py, driver/state.py.
 """
 from . import shrink, timings
 from .detection import Liveness, StragglerWatch, all_succeeded

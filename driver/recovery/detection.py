@@ -16,7 +16,8 @@ from ..ingest import NodeView
 from ..metrics.prometheus import JobMetrics
 from ..metrics.straggler_report import describe
 from ..metrics.stragglers import Finding, StragglerMonitor
-from ..state import Fault, JobRecord
+from ..recovery_record import Fault
+from ..state import JobRecord
 from .policy import straggler_to_evict
 from .selfcheck import HARDWARE_ERROR, hardware
 

@@ -14,7 +14,8 @@ from typing import Callable, Optional
 from megascale.config import JobConfig
 
 from ..ingest import NodeView
-from ..state import Fault, JobRecord
+from ..recovery_record import Fault
+from ..state import JobRecord
 
 
 def progress(rec: JobRecord, views: dict[str, NodeView]) -> dict:

@@ -13,7 +13,8 @@ from megascale.common.messages import Ack
 from megascale.config import JobConfig
 from megascale.parallel.layout import Layout, groups_to_create
 
-from ..state import Fault, JobRecord, Recovery
+from ..recovery_record import Fault, Recovery
+from ..state import JobRecord
 
 
 @dataclass

@@ -9,7 +9,8 @@ from typing import Iterable, Literal, Optional
 from megascale.config import ControlConfig, JobConfig
 
 from ..metrics.stragglers import Finding
-from ..state import JobRecord, Recovery
+from ..recovery_record import Recovery
+from ..state import JobRecord
 
 Decision = Literal["restart", "pause", "fail"]
 

@@ -17,7 +17,8 @@ from megascale.elastic import layout_at
 from .. import crashpoints
 from ..commands import Commands
 from ..pool import NodePool
-from ..state import Fault, JobRecord, JobState, JobStore, NodeSlot, Phase, Recovery
+from ..recovery_record import Fault, Recovery
+from ..state import JobRecord, JobState, JobStore, NodeSlot, Phase
 from . import policy, selfcheck, shrink, timings
 from .detection import Liveness, silence_limit
 from .hang import HangClock, progress

@@ -32,7 +32,8 @@ from typing import Callable, Optional
 
 from megascale.config import JobConfig
 
-from ..state import BackgroundCheck, Fault, JobRecord, JobStore, Recovery
+from ..recovery_record import BackgroundCheck, Fault, Recovery
+from ..state import JobRecord, JobStore
 from .localization import group_members, peers_of
 
 

@@ -10,7 +10,8 @@ import time
 from typing import Callable, Optional
 
 from ..ingest import NodeView
-from ..state import Fault, JobRecord, Timeline
+from ..recovery_record import Fault, Timeline
+from ..state import JobRecord
 
 KEPT = 50  # the newest recoveries the record and the status keep in full
 

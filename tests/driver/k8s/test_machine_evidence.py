@@ -16,7 +16,8 @@ from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.operator import POD_SELECTOR, Operator, Runtime
 from megascale.driver.k8s.spec import PodPolicy, ServiceDefaults
 from megascale.driver.recovery import selfcheck
-from megascale.driver.state import Fault, JobRecord, JobStore, NodeSlot, Recovery
+from megascale.driver.recovery_record import Fault, Recovery
+from megascale.driver.state import JobRecord, JobStore, NodeSlot
 
 from megascale.common.embedded_redis import EmbeddedRedis
 

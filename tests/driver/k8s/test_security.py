@@ -15,7 +15,8 @@ from megascale.driver.k8s.crd import crd
 from megascale.driver.k8s.kube import Kube, connect
 from megascale.driver.k8s.operator import Operator, Runtime
 from megascale.driver.k8s.spec import PodPolicy, ServiceDefaults, SpecError, check_pod_spec
-from megascale.driver.state import Fault, JobRecord, JobStore, NodeSlot, Recovery
+from megascale.driver.recovery_record import Fault, Recovery
+from megascale.driver.state import JobRecord, JobStore, NodeSlot
 from schema_tools import Invalid, admit
 
 from megascale.common.messages import command_stream

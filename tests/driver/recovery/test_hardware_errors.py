@@ -12,7 +12,8 @@ from megascale.driver.pool import NodePool
 from megascale.driver.recovery import selfcheck
 from megascale.driver.recovery.detection import detect_faults
 from megascale.driver.recovery.recoverer import Recoverer
-from megascale.driver.state import Fault, JobRecord, JobState, NodeSlot, Recovery
+from megascale.driver.recovery_record import Fault, Recovery
+from megascale.driver.state import JobRecord, JobState, NodeSlot
 
 from control_plane_support import StubBackend  # noqa: E402 - tests/driver is on sys.path (conftest)
 

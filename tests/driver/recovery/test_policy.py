@@ -12,7 +12,8 @@ from megascale.driver.ingest import NodeView
 from megascale.driver.recovery import policy, selfcheck, timings
 from megascale.driver.pool import NodePool
 from megascale.driver.recovery.detection import Liveness
-from megascale.driver.state import EVICTED_KEPT, Fault, JobRecord, JobState, NodeSlot, Recovery, Timeline
+from megascale.driver.recovery_record import Fault, Recovery, Timeline
+from megascale.driver.state import EVICTED_KEPT, JobRecord, JobState, NodeSlot
 
 from control_plane_support import StubBackend  # noqa: E402 - tests/driver is on sys.path (conftest)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from megascale.driver.state import Fault, JobRecord, JobState, NodeSlot, Phase, Recovery, Timeline
+from megascale.driver.recovery_record import Fault, Recovery, Timeline
+from megascale.driver.state import JobRecord, JobState, NodeSlot, Phase
 
 # A Recovering job's record as the driver wrote it before the typed record: self-checking n1 after a rank failed.
 OLD = {

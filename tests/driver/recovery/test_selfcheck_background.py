@@ -8,7 +8,8 @@ import time
 from megascale.common.messages import Ack
 from megascale.config import from_dict
 from megascale.driver.recovery import policy, selfcheck
-from megascale.driver.state import BackgroundCheck, Fault, JobRecord, NodeSlot, Recovery
+from megascale.driver.recovery_record import BackgroundCheck, Fault, Recovery
+from megascale.driver.state import JobRecord, NodeSlot
 
 
 def config(**control):
